@@ -1,0 +1,204 @@
+"""Streaming readers and validators for HF-style JSONL / Parquet records.
+
+Files are never loaded whole: JSONL is read line by line and Parquet batch by batch
+(pyarrow `iter_batches`). Every record carries its origin (file, 1-based line or row), so
+a malformed record is reported as `path:line: problem`.
+
+Record schemas accepted (extra keys are ignored):
+  SFT       {"messages": [{"role": ..., "content": ...}, ...]}  or
+            {"prompt": str, "response": str, ["system": str]}
+  RL math   {"problem" | "prompt": str, "answer": str | number}
+  RL code   {"problem" | "prompt": str, "tests" | "input_output": dict | JSON str}
+            where tests = {"inputs": [...], "outputs": [...], ["fn_name": str]}
+  optional  "source": str, "difficulty": number   (RL kinds)
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+from typing import Any, Iterator, Sequence
+
+KINDS = ("sft", "rl_math", "rl_code")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RecordError(ValueError):
+    """A malformed record; `str()` is `path:line: problem`."""
+
+    def __init__(self, path: str, line: int, problem: str):
+        self.path, self.line, self.problem = path, line, problem
+        super().__init__(f"{path}:{line}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RawRecord:
+    path: str
+    line: int  # 1-based line (JSONL) or row (Parquet)
+    data: Any  # the decoded JSON value / Parquet row dict (not yet validated)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Expands files / globs in order (each glob sorted); errors on a pattern matching nothing."""
+    paths: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise FileNotFoundError(f"input {pattern!r} matches no file")
+        paths.extend(matches)
+    return paths
+
+
+def _is_parquet(path: str) -> bool:
+    return path.endswith((".parquet", ".pq"))
+
+
+def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024) -> Iterator[RawRecord]:
+    """Yields records one at a time. Bad JSON raises RecordError naming file and line."""
+    for path in paths:
+        if _is_parquet(path):
+            import pyarrow.parquet as pq
+
+            row = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=parquet_batch_rows):
+                for data in batch.to_pylist():
+                    row += 1
+                    yield RawRecord(path, row, data)
+        else:
+            with open(path, "r", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise RecordError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+                    yield RawRecord(path, lineno, data)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require_str(d: dict, key: str, allow_empty: bool = False) -> str:
+    if key not in d or d[key] is None:
+        raise ValueError(f"missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, str):
+        raise ValueError(f"field {key!r} must be a string, got {type(v).__name__}")
+    if not allow_empty and not v.strip():
+        raise ValueError(f"field {key!r} is empty")
+    return v
+
+
+def _messages(d: dict) -> list[dict[str, str]]:
+    msgs = d["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("field 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {ROLES}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def sft_messages(d: Any) -> list[dict[str, str]]:
+    """Normalises an SFT record to chat messages; raises ValueError with the problem."""
+    if not isinstance(d, dict):
+        raise ValueError(f"record must be a JSON object, got {type(d).__name__}")
+    if "messages" in d:
+        msgs = _messages(d)
+    elif "prompt" in d or "response" in d:
+        msgs = []
+        if d.get("system") is not None:
+            msgs.append({"role": "system", "content": _require_str(d, "system", allow_empty=True)})
+        msgs.append({"role": "user", "content": _require_str(d, "prompt")})
+        msgs.append({"role": "assistant", "content": _require_str(d, "response")})
+    else:
+        raise ValueError("SFT record needs 'messages' or 'prompt'/'response' fields")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError("SFT record has no assistant message (nothing to learn)")
+    return msgs
+
+
+def _prompt_messages(d: dict) -> list[dict[str, str]]:
+    if "messages" in d:
+        msgs = _messages(d)
+        if msgs[-1]["role"] == "assistant":  # a reference solution; the prompt is what precedes it
+            msgs = msgs[:-1]
+        if not msgs or msgs[-1]["role"] != "user":
+            raise ValueError("RL 'messages' must end with a user turn (optionally followed by one assistant turn)")
+        return msgs
+    key = "problem" if "problem" in d else "prompt"
+    return [{"role": "user", "content": _require_str(d, key)}]
+
+
+def _tests(d: dict) -> dict:
+    key = "tests" if "tests" in d else "input_output"
+    if key not in d or d[key] is None:
+        raise ValueError("missing field 'tests' (or 'input_output')")
+    t = d[key]
+    if isinstance(t, str):
+        try:
+            t = json.loads(t)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"field {key!r} is not valid JSON: {e.msg}") from None
+    if not isinstance(t, dict):
+        raise ValueError(f"field {key!r} must be an object, got {type(t).__name__}")
+    ins, outs = t.get("inputs"), t.get("outputs")
+    if not isinstance(ins, list) or not isinstance(outs, list):
+        raise ValueError(f"field {key!r} needs 'inputs' and 'outputs' lists")
+    if len(ins) != len(outs):
+        raise ValueError(f"field {key!r}: {len(ins)} inputs but {len(outs)} outputs")
+    if not ins:
+        raise ValueError(f"field {key!r} has no test cases")
+    if "fn_name" in t and not isinstance(t["fn_name"], str):
+        raise ValueError(f"field {key!r}: 'fn_name' must be a string")
+    return t
+
+
+def rl_fields(d: Any, kind: str) -> dict[str, Any]:
+    """Validates an RL record -> {messages, answer, tests, source, difficulty}.
+
+    answer is '' for code, tests is None for math; difficulty is NaN when absent.
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"record must be a JSON object, got {type(d).__name__}")
+    out: dict[str, Any] = {"messages": _prompt_messages(d), "answer": "", "tests": None}
+    if kind == "rl_math":
+        a = d.get("answer")
+        if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+            raise ValueError("field 'answer' must be a string or number" if a is not None else "missing field 'answer'")
+        out["answer"] = str(a)
+        if not out["answer"].strip():
+            raise ValueError("field 'answer' is empty")
+    elif kind == "rl_code":
+        out["tests"] = _tests(d)
+    else:
+        raise ValueError(f"unknown RL kind {kind!r}")
+    src = d.get("source", "")
+    if src is None:
+        src = ""
+    if not isinstance(src, str):
+        raise ValueError(f"field 'source' must be a string, got {type(src).__name__}")
+    out["source"] = src
+    diff = d.get("difficulty")
+    if diff is None:
+        out["difficulty"] = math.nan
+    elif isinstance(diff, bool) or not isinstance(diff, (int, float)):
+        raise ValueError(f"field 'difficulty' must be a number, got {type(diff).__name__}")
+    else:
+        out["difficulty"] = float(diff)
+    return out
