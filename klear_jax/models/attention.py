@@ -1,0 +1,93 @@
+"""Attention with causal + segment-id masking (packed sequences, padding, KV cache), and RoPE.
+
+Masking rule shared by every path (XLA here, splash in ``splash.py``)::
+
+    allowed[b, t, s] = (kv_pos[b, s] <= q_pos[b, t]) & (q_seg[b, t] == kv_seg[b, s])
+                       & (kv_seg[b, s] != 0)
+
+Segment id 0 marks padding and empty cache slots; a fully masked row returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """bool [B, T, S] from positions / segment ids int32 [B, T] and [B, S]."""
+    causal = kv_positions[:, None, :] <= q_positions[:, :, None]
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    return causal & same & (kv_segment_ids[:, None, :] != 0)
+
+
+def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                  scale: float | None = None):
+    """Grouped-query attention in plain XLA.
+
+    q [B, T, H, hd]; k, v [B, S, K, hd] with H = K * G; positions / segment ids int32
+    [B, T] (queries) and [B, S] (keys). Scores and softmax in float32. Returns [B, T, H, hd]
+    in q's dtype.
+    """
+    B, T, H, hd = q.shape
+    K = k.shape[2]
+    if H % K:
+        raise ValueError(f"xla_attention: {H} query heads not a multiple of {K} kv heads")
+    scale = hd ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, K, H // K, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    mask = mask[:, None, None]  # [B, 1, 1, T, S]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked row: avoid inf - inf
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, hd).astype(q.dtype)
+
+
+def attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+              impl: str = "xla", scale: float | None = None):
+    """Dispatches to the XLA path or to the Pallas splash kernel (T == S only)."""
+    if impl == "xla":
+        return xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                             scale=scale)
+    if impl == "splash":
+        from klear_jax.models.splash import splash_attention  # lazy: Pallas import is heavy
+        if scale is not None and scale != q.shape[-1] ** -0.5:
+            raise ValueError("splash attention only supports the default 1/sqrt(head_dim) scale")
+        return splash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    raise ValueError(f"attention impl {impl!r} unknown (xla, splash)")
+
+
+def rope_cos_sin(positions, inv_freq, attention_scaling: float, dtype):
+    """cos, sin [B, T, hd] for int positions [B, T] (HF layout: frequencies repeated twice)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return ((jnp.cos(emb) * attention_scaling).astype(dtype),
+            (jnp.sin(emb) * attention_scaling).astype(dtype))
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, N, hd] rotated with cos/sin [B, T, hd] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rot * sin[:, :, None, :]
+
+
+def positions_from_segment_ids(segment_ids):
+    """Position of each token inside its segment, counting from the segment's first token.
+
+    segment_ids int32 [B, T] -> int32 [B, T]. Packed rows restart at 0 per segment; a
+    left-padded row's first real token gets 0 (the pads count their own run from 0).
+    """
+    T = segment_ids.shape[1]
+    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    start = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+        axis=1)
+    first = jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
+    return (idx - first).astype(jnp.int32)

@@ -1,0 +1,328 @@
+"""Flax NNX decoder for Qwen3 (q/k RMSNorm) and Qwen2/2.5 (qkv bias).
+
+Layers are stored stacked (every per-layer parameter has a leading L axis) and run under
+``jax.lax.scan``, so compile time does not grow with depth; the layer body is wrapped in
+``jax.checkpoint`` with the configured policy. Every ``nnx.Param`` carries its logical
+axis names in the ``logical_axes`` metadata; ``param_shardings`` maps them to a mesh.
+
+Parameter layout (paths inside ``nnx.state(model)``)::
+
+    embed.embedding                     [V, D]        (vocab, embed)
+    layers.input_norm.scale             [L, D]        (layers, norm)
+    layers.post_attn_norm.scale         [L, D]
+    layers.attn.q_proj.kernel           [L, D, H, hd] (layers, embed, q_heads, head_dim)
+    layers.attn.q_proj.bias             [L, H, hd]    Qwen2 only
+    layers.attn.{k,v}_proj.kernel       [L, D, K, hd] (layers, embed, kv_heads, head_dim)
+    layers.attn.{k,v}_proj.bias         [L, K, hd]    Qwen2 only
+    layers.attn.o_proj.kernel           [L, H, hd, D] (layers, q_heads, head_dim, embed)
+    layers.attn.{q,k}_norm.scale        [L, hd]       Qwen3 only
+    layers.mlp.{gate,up}_proj.kernel    [L, D, F]     (layers, embed, mlp)
+    layers.mlp.down_proj.kernel         [L, F, D]     (layers, mlp, embed)
+    final_norm.scale                    [D]           (norm,)
+    lm_head.kernel                      [D, V]        (embed, vocab), absent when tied
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from klear_jax import sharding as shd
+from klear_jax.models.attention import (apply_rope, attention, positions_from_segment_ids,
+                                        rope_cos_sin)
+from klear_jax.models.config import ModelConfig, remat_policy, rope_frequencies
+
+_INIT_STD = 0.02
+
+
+def _param(rngs, shape, names, dtype, init="normal"):
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(names))
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * y).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, prefix: tuple[int, ...], dim: int, names, eps: float, cfg: ModelConfig,
+                 rngs: nnx.Rngs):
+        self.scale = _param(rngs, (*prefix, dim), names, cfg.jnp_param_dtype, "ones")
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class Proj(nnx.Module):
+    """A kernel (and optional bias) applied by an einsum the caller names."""
+
+    def __init__(self, shape, names, bias_shape, bias_names, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.kernel = _param(rngs, shape, names, cfg.jnp_param_dtype)
+        if bias_shape is not None:
+            self.bias = _param(rngs, bias_shape, bias_names, cfg.jnp_param_dtype, "zeros")
+
+    def __call__(self, x, eqn: str):
+        y = jnp.einsum(eqn, x, self.kernel[...].astype(x.dtype))
+        if hasattr(self, "bias"):
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, D, H, K, hd = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b = cfg.qkv_bias
+        self.q_proj = Proj((L, D, H, hd), ("layers", "embed", "q_heads", "head_dim"),
+                           (L, H, hd) if b else None, ("layers", "q_heads", "head_dim"), cfg, rngs)
+        kv_names = ("layers", "embed", "kv_heads", "head_dim")
+        kvb_names = ("layers", "kv_heads", "head_dim")
+        self.k_proj = Proj((L, D, K, hd), kv_names, (L, K, hd) if b else None, kvb_names, cfg, rngs)
+        self.v_proj = Proj((L, D, K, hd), kv_names, (L, K, hd) if b else None, kvb_names, cfg, rngs)
+        self.o_proj = Proj((L, H, hd, D), ("layers", "q_heads", "head_dim", "embed"), None, None,
+                           cfg, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm((L,), hd, ("layers", "head_dim"), cfg.rms_norm_eps, cfg, rngs)
+            self.k_norm = RMSNorm((L,), hd, ("layers", "head_dim"), cfg.rms_norm_eps, cfg, rngs)
+        self.impl = cfg.attention_impl
+
+    def __call__(self, x, cos, sin, q_pos, q_seg, kv):
+        """x [B, T, D] -> ([B, T, D], (k, v) [B, S, K, hd] as written to the cache or fresh).
+
+        ``kv`` is None (attend within x) or (cache_k, cache_v, kv_pos, kv_seg, index) for
+        one layer: the new k/v are written at slots [index, index + T).
+        """
+        q = self.q_proj(x, "btd,dhk->bthk")
+        k = self.k_proj(x, "btd,dhk->bthk")
+        v = self.v_proj(x, "btd,dhk->bthk")
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = shd.constrain(q, ("act_batch", "act_length", "act_q_heads", "act_head_dim"))
+        k = shd.constrain(k, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
+        v = shd.constrain(v, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
+        if kv is None:
+            out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl)
+        else:
+            ck, cv, kv_pos, kv_seg, index = kv
+            zero = jnp.zeros((), jnp.int32)
+            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, index, zero, zero))
+            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, index, zero, zero))
+            names = ("cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
+            k, v = shd.constrain(k, names), shd.constrain(v, names)
+            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), q_pos, kv_pos, q_seg, kv_seg,
+                            impl="xla")
+        y = self.o_proj(out, "bthk,hkd->btd")
+        return y, (k, v)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Proj((L, D, F), ("layers", "embed", "mlp"), None, None, cfg, rngs)
+        self.up_proj = Proj((L, D, F), ("layers", "embed", "mlp"), None, None, cfg, rngs)
+        self.down_proj = Proj((L, F, D), ("layers", "mlp", "embed"), None, None, cfg, rngs)
+
+    def __call__(self, x):
+        h = jax.nn.silu(self.gate_proj(x, "btd,df->btf")) * self.up_proj(x, "btd,df->btf")
+        h = shd.constrain(h, ("act_batch", "act_length", "act_mlp"))
+        return self.down_proj(h, "btf,fd->btd")
+
+
+class DecoderLayers(nnx.Module):
+    """All L layers, parameters stacked on a leading axis; called on one layer's slice."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, D = cfg.num_layers, cfg.hidden_size
+        self.input_norm = RMSNorm((L,), D, ("layers", "norm"), cfg.rms_norm_eps, cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm((L,), D, ("layers", "norm"), cfg.rms_norm_eps, cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, q_pos, q_seg, kv):
+        a, new_kv = self.attn(self.input_norm(x), cos, sin, q_pos, q_seg, kv)
+        x = x + a
+        x = x + self.mlp(self.post_attn_norm(x))
+        return shd.constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
+
+
+class Embed(nnx.Module):
+    def __init__(self, embedding: nnx.Param):
+        self.embedding = embedding
+
+
+class LMHead(nnx.Module):
+    def __init__(self, kernel: nnx.Param):
+        self.kernel = kernel
+
+
+class Qwen(nnx.Module):
+    """Qwen2 / Qwen3 causal LM. See the module docstring for the parameter layout."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed = Embed(_param(rngs, (V, D), ("vocab", "embed"), cfg.jnp_param_dtype))
+        self.layers = DecoderLayers(cfg, rngs)
+        self.final_norm = RMSNorm((), D, ("norm",), cfg.rms_norm_eps, cfg, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = LMHead(_param(rngs, (D, V), ("embed", "vocab"), cfg.jnp_param_dtype))
+
+    def unembed_matrix(self):
+        """[D, V] output projection (embedding transposed when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def hidden_states(self, input_ids, positions=None, segment_ids=None, cache=None):
+        """(h [B, T, D] after the final norm, new cache or None).
+
+        input_ids int32 [B, T]; segment_ids int32 [B, T] (0 = padding; default ones);
+        positions int32 [B, T] (default: position inside each segment, or, with a cache,
+        continuing from the cache's filled slots of the row).
+        """
+        cfg = self.config
+        B, T = input_ids.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        segment_ids = segment_ids.astype(jnp.int32)
+        if positions is None:
+            if cache is None:
+                positions = positions_from_segment_ids(segment_ids)
+            else:
+                prior = jnp.sum(cache["segment_ids"] != 0, axis=1).astype(jnp.int32)
+                positions = prior[:, None] + jnp.maximum(
+                    jnp.cumsum(segment_ids != 0, axis=1) - 1, 0).astype(jnp.int32)
+        positions = positions.astype(jnp.int32)
+        dtype = cfg.jnp_dtype
+        x = jnp.take(self.embed.embedding[...], input_ids, axis=0).astype(dtype)
+        x = shd.constrain(x, ("act_batch", "act_length", "act_embed"))
+        inv_freq, scaling = rope_frequencies(cfg)
+        cos, sin = rope_cos_sin(positions, inv_freq, scaling, dtype)
+
+        graphdef, state = nnx.split(self.layers)
+        if cache is not None:
+            index = jnp.asarray(cache["index"], jnp.int32)
+            zero = jnp.zeros((), jnp.int32)
+            kv_pos = jax.lax.dynamic_update_slice(cache["positions"], positions, (zero, index))
+            kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids, (zero, index))
+
+            def body(h, xs):
+                layer_state, ck, cv = xs
+                layer = nnx.merge(graphdef, layer_state)
+                h, kv = layer(h, cos, sin, positions, segment_ids, (ck, cv, kv_pos, kv_seg, index))
+                return h, kv
+            xs = (state, cache["k"], cache["v"])
+        else:
+            def body(h, layer_state):
+                layer = nnx.merge(graphdef, layer_state)
+                h, _ = layer(h, cos, sin, positions, segment_ids, None)
+                return h, None
+            xs = state
+        policy = cfg.remat_policy
+        if policy != "none":
+            body = jax.checkpoint(body, policy=remat_policy(policy), prevent_cse=False)
+        x, kvs = jax.lax.scan(body, x, xs)
+        h = self.final_norm(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = {"k": kvs[0], "v": kvs[1], "positions": kv_pos, "segment_ids": kv_seg,
+                         "index": index + T}
+        return h, new_cache
+
+    def __call__(self, input_ids, positions=None, segment_ids=None):
+        """Logits float32 [B, T, V] (materialised whole: use token_logprobs for long T)."""
+        h, _ = self.hidden_states(input_ids, positions, segment_ids)
+        return self.logits(h)
+
+    def logits(self, h):
+        """h [B, T, D] -> float32 logits [B, T, V]."""
+        w = self.unembed_matrix().astype(h.dtype)
+        out = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        return shd.constrain(out, ("act_batch", "act_length", "act_vocab"))
+
+    def token_logprobs(self, input_ids, targets, positions=None, segment_ids=None,
+                       return_entropy=False):
+        """(log p(targets) float32 [B, T], entropy float32 [B, T] or None), chunked over T so
+        the [B, T, V] logits are never materialised."""
+        from klear_jax.models.logprobs import chunked_token_logprobs
+        h, _ = self.hidden_states(input_ids, positions, segment_ids)
+        return chunked_token_logprobs(h, self.unembed_matrix(), targets,
+                                      chunk_size=self.config.logprob_chunk_size,
+                                      return_entropy=return_entropy)
+
+
+# ------------------------------------------------------------------------- KV cache
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
+    """Empty KV cache: k, v [L, B, S, K, hd]; positions, segment_ids int32 [B, S] (0 = empty
+    slot); index int32 scalar (next slot to write; all rows share it, so prompts are
+    left-padded)."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+            "positions": jnp.zeros((batch, max_len), jnp.int32),
+            "segment_ids": jnp.zeros((batch, max_len), jnp.int32),
+            "index": jnp.zeros((), jnp.int32)}
+
+
+CACHE_LOGICAL_AXES = {
+    "k": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim"),
+    "v": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim"),
+    "positions": ("cache_batch", "cache_length"),
+    "segment_ids": ("cache_batch", "cache_length"),
+    "index": (),
+}
+
+
+def cache_shardings(cache, mesh):
+    """NamedSharding per cache leaf (same dict structure as ``init_cache``)."""
+    return {k: shd.named_sharding(mesh, CACHE_LOGICAL_AXES[k], jnp.shape(v))
+            for k, v in cache.items()}
+
+
+# ------------------------------------------------------------------------- sharding
+def _is_var(x):
+    return isinstance(x, nnx.Variable)
+
+
+def param_logical_axes(model_or_state):
+    """Tree (like ``nnx.state``) of logical-name tuples, one per parameter."""
+    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return jax.tree.map(lambda v: v.get_metadata().get("logical_axes"), state, is_leaf=_is_var)
+
+
+def param_shardings(model_or_state, mesh):
+    """NamedSharding per parameter (a State of the same structure as ``nnx.state(model)``),
+    from each Param's ``logical_axes`` metadata via ``sharding.logical_to_spec``."""
+    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+
+    def one(v):
+        names = v.get_metadata().get("logical_axes")
+        return v.replace(shd.named_sharding(mesh, names, v.shape))
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def create_model(cfg: ModelConfig, rngs: nnx.Rngs | None = None, seed: int = 0, mesh=None) -> Qwen:
+    """A randomly initialised model; with ``mesh`` every parameter is created in its sharded
+    place (no host copy of the full model)."""
+    if mesh is None:
+        return Qwen(cfg, rngs=rngs or nnx.Rngs(seed))
+    abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, abs_state = nnx.split(abstract)
+    out_sh = param_shardings(abs_state, mesh)
+
+    @functools.partial(jax.jit, out_shardings=out_sh)
+    def init():
+        return nnx.state(Qwen(cfg, rngs=nnx.Rngs(seed)))
+    return nnx.merge(graphdef, init())
