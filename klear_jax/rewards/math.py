@@ -1,0 +1,131 @@
+"""Math reward: the final answer after `</think>`, checked with HF math-verify.
+
+Rewards (PAPER.md section 5, the Klear code's values; all in MathRewardConfig):
+    response lacks `<think>` (only when `require_open_think`)   -> missing_open_think  (-2.0)
+    response lacks `</think>`                                   -> missing_close_think (-0.5)
+    answer after the last `</think>` verifies against the gold  -> correct (+1.0)
+    otherwise (wrong, unparsable, checker hung or crashed)      -> wrong (-1.0)
+The missing-`<think>` check comes first. Set `require_open_think=False` when the chat
+template puts `<think>` in the prompt (Qwen3-style), so responses never contain it.
+
+The check runs in a DeadlinePool of spawned worker processes (math-verify uses signal
+alarms, which only work in a main thread); a check that passes `deadline_s` is killed and
+scores `wrong`. `math_reward` is the one-off form; the RL loop calls
+`math_reward_batch` (or `MathScorer.score_batch`) once per step.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+
+from klear_jax.rewards.pool import DeadlinePool
+
+
+@dataclasses.dataclass(frozen=True)
+class MathRewardConfig:
+    correct: float = 1.0
+    wrong: float = -1.0
+    missing_close_think: float = -0.5
+    missing_open_think: float = -2.0
+    require_open_think: bool = True    # False when the prompt already ends with <think>
+    num_workers: int = 2
+    deadline_s: float = 10.0           # hard per-item limit, enforced by the parent
+    verify_timeout_s: int = 5          # math-verify's own alarms, inside the worker
+
+
+def _wrap_gold(answer: str) -> str:
+    s = answer.strip()
+    if "\\boxed" in s or s.startswith("$") or s.startswith("\\("):
+        return s
+    return f"${s}$"
+
+
+def verify_answer(text: str, answer: str, timeout_s: int = 5) -> bool:
+    """True when the answer in `text` equals `answer` per math-verify. Runs in a pool
+    worker's main thread (math-verify's timeouts are signal alarms)."""
+    from math_verify import parse, verify
+    gold = parse(_wrap_gold(answer), parsing_timeout=timeout_s)
+    if not gold:
+        return False
+    pred = parse(text, parsing_timeout=timeout_s)
+    if not pred:
+        return False
+    return bool(verify(gold, pred, timeout_seconds=timeout_s))
+
+
+def format_reward(response: str, cfg: MathRewardConfig) -> float | None:
+    """The format penalty for `response`, or None when the format is fine."""
+    if cfg.require_open_think and "<think>" not in response:
+        return cfg.missing_open_think
+    if "</think>" not in response:
+        return cfg.missing_close_think
+    return None
+
+
+def final_answer_text(response: str) -> str:
+    return response.rsplit("</think>", 1)[-1]
+
+
+class MathScorer:
+    """Owns a worker pool; `score_batch` is thread-safe. Close it (or use `with`)."""
+
+    def __init__(self, cfg: MathRewardConfig | None = None):
+        self.cfg = cfg or MathRewardConfig()
+        self.pool = DeadlinePool("klear_jax.rewards.math:verify_answer",
+                                 num_workers=self.cfg.num_workers, deadline_s=self.cfg.deadline_s)
+
+    def score_batch(self, responses: list[str], answers: list[str]) -> list[float]:
+        if len(responses) != len(answers):
+            raise ValueError(f"math score_batch: {len(responses)} responses but "
+                             f"{len(answers)} answers")
+        cfg = self.cfg
+        rewards: list[float | None] = [format_reward(r, cfg) for r in responses]
+        todo = [i for i, r in enumerate(rewards) if r is None]
+        items = [(final_answer_text(responses[i]), str(answers[i]), cfg.verify_timeout_s)
+                 for i in todo]
+        ok = self.pool.map(items, default=False)
+        for i, good in zip(todo, ok):
+            rewards[i] = cfg.correct if good else cfg.wrong
+        return rewards
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_default: dict = {}
+_default_lock = threading.Lock()
+
+
+def _scorer(cfg: MathRewardConfig | None) -> MathScorer:
+    cfg = cfg or MathRewardConfig()
+    with _default_lock:
+        if cfg not in _default:
+            if not _default:
+                atexit.register(_close_defaults)
+            _default[cfg] = MathScorer(cfg)
+        return _default[cfg]
+
+
+def _close_defaults() -> None:
+    with _default_lock:
+        for s in _default.values():
+            s.close()
+        _default.clear()
+
+
+def math_reward_batch(responses: list[str], answers: list[str],
+                      cfg: MathRewardConfig | None = None) -> list[float]:
+    """Rewards for a batch, scored concurrently by a shared per-config pool."""
+    return _scorer(cfg).score_batch(list(responses), list(answers))
+
+
+def math_reward(response: str, answer: str, cfg: MathRewardConfig | None = None) -> float:
+    """+1 / -1 for the answer after `</think>`, or the format penalty (see module doc)."""
+    return math_reward_batch([response], [answer], cfg)[0]
