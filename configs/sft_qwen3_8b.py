@@ -1,0 +1,36 @@
+"""The paper's long-CoT SFT of Qwen3-8B-Base, for a TPU v5p-64 slice (64 TensorCores =
+32 chips; with megacore each chip is one JAX device, so the mesh has 32 devices).
+
+Paper settings: lr 8e-5 cosine-decayed to 4e-5, 4 epochs, 32K-token packed rows; AdamW
+(0.9, 0.999), weight decay 0.1, global-norm clipping 1.0. Master weights float32, compute
+bfloat16, full remat, splash attention (XLA attention does not fit at 32K; see DESIGN.md).
+
+    python -m klear_jax.sft --config=configs/sft_qwen3_8b.py --config.workdir=gs://b/sft \
+        --config.init.path=gs://b/Qwen3-8B-Base --config.data.path=gs://b/tfds
+Variants: ``:chips=64`` (devices of the slice), ``:steps=N`` (set from dataset size x 4
+epochs / batch), ``:batch=N`` rows per step.
+"""
+
+from klear_jax import config_utils
+
+
+def get_config(arg=None):
+    a = config_utils.parse_arg(arg, chips=32, steps=2000, batch=64, seq_len=32768)
+    c = config_utils.sft_base()
+    c.seed = 0
+    # v5p-64 = 32 chips (megacore: one JAX device per chip). Pure FSDP: 8B params + Adam
+    # states (16 B/param f32) = 128 GB spread over 32 chips = 4 GB each.
+    c.mesh = dict(data=1, fsdp=a.chips, tensor=1)
+    c.init = dict(source="hf", path="", step=-1)
+    # Qwen3-8B architecture (overridden by the checkpoint's config.json for init=hf/orbax).
+    c.model.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                   num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                   rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                   tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
+                   remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
+    c.train.update(total_steps=a.steps, batch_size=a.batch, seq_len=a.seq_len,
+                   num_microbatches=2, max_consecutive_skips=5, log_every=1)
+    c.optim.update(lr=8e-5, end_lr=4e-5, schedule="cosine", warmup_steps=20, decay_steps=0,
+                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
+    c.checkpoint.update(every_steps=200, keep=3, async_save=True)
+    return c

@@ -1,0 +1,24 @@
+"""A tiny Qwen3-shaped model that trains on CPU in seconds (tests, the demo, smoke runs).
+
+    python -m klear_jax.sft --config=configs/sft_tiny.py --config.workdir=/tmp/w \
+        --config.data.path=/tmp/tfds_dir --config.data.tokenizer=/tmp/tok
+Variant: ``configs/sft_tiny.py:vocab=512`` (vocab must match the tokenizer).
+"""
+
+from klear_jax import config_utils
+
+
+def get_config(arg=None):
+    a = config_utils.parse_arg(arg, vocab=256, steps=20)
+    c = config_utils.sft_base()
+    c.seed = 0
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    c.model.update(vocab_size=a.vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                   rope_theta=10000.0, dtype="float32", param_dtype="float32",
+                   logprob_chunk_size=32)
+    c.train.update(total_steps=a.steps, batch_size=16, seq_len=64, num_microbatches=2,
+                   max_consecutive_skips=3, log_every=1)
+    c.optim.update(lr=1e-3, end_lr=1e-4, schedule="cosine", warmup_steps=2, weight_decay=0.0)
+    c.checkpoint.update(every_steps=10, keep=2, async_save=True)
+    return c
