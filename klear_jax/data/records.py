@@ -38,6 +38,7 @@ class RawRecord:
     path: str
     line: int  # 1-based line (JSONL) or row (Parquet)
     data: Any  # the decoded JSON value / Parquet row dict (not yet validated)
+    error: str | None = None  # set (data None) when the line is not valid JSON and strict=False
 
     @property
     def where(self) -> str:
@@ -60,8 +61,13 @@ def _is_parquet(path: str) -> bool:
     return path.endswith((".parquet", ".pq"))
 
 
-def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024) -> Iterator[RawRecord]:
-    """Yields records one at a time. Bad JSON raises RecordError naming file and line."""
+def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024,
+                     strict: bool = True) -> Iterator[RawRecord]:
+    """Yields records one at a time.
+
+    Bad JSON raises RecordError naming file and line, or with strict=False is yielded as a
+    RawRecord whose `error` says what is wrong (so the caller can count and skip it).
+    """
     for path in paths:
         if _is_parquet(path):
             import pyarrow.parquet as pq
@@ -79,7 +85,11 @@ def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024) -> It
                     try:
                         data = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise RecordError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+                        msg = f"invalid JSON: {e.msg} (column {e.colno})"
+                        if strict:
+                            raise RecordError(path, lineno, msg) from None
+                        yield RawRecord(path, lineno, None, msg)
+                        continue
                     yield RawRecord(path, lineno, data)
 
 
