@@ -74,8 +74,7 @@ def sft_example(tok, messages, max_length: int | None, overlong: str, name: str)
         ids, mask, status = ids[:max_length], mask[:max_length], "truncated"
     if not mask.any():
         return None, "dropped"  # nothing left to learn from after truncation
-    source = ""
-    return {"input_ids": ids, "loss_mask": mask, "length": len(ids), "source": source}, status
+    return {"input_ids": ids, "loss_mask": mask, "length": len(ids), "source": ""}, status
 
 
 def rl_example(tok, fields: dict, max_length: int | None, prompt_template: str):
