@@ -1,0 +1,193 @@
+"""Adversarial programs: each must score 0, leave no process, file or descriptor behind,
+and leave the scorer working. Each attack prints the expected answer only if it worked."""
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from klear_jax.rewards import CodeRewardConfig, CodeScorer, SandboxConfig
+from klear_jax.rewards.sandbox import Sandbox, _uid_pids
+
+SECRET = "klear-secret-7f3a"
+REPO_FILE = os.path.abspath(__file__)
+
+
+def resp(code):
+    return f"<think>x</think>\n```python\n{code}\n```"
+
+
+def stdio(expected):
+    return {"inputs": ["\n"], "outputs": [expected]}
+
+
+def host_files_owned_by(uids, roots=("/tmp", "/dev/shm", "/work")):
+    found = []
+    for root in roots:
+        for d, dirs, files in os.walk(root):
+            dirs[:] = [x for x in dirs if x not in (".git", ".venv", "node_modules")]
+            for name in dirs + files:
+                try:
+                    if os.lstat(os.path.join(d, name)).st_uid in uids:
+                        found.append(os.path.join(d, name))
+                except OSError:
+                    pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    os.environ["KLEAR_TEST_SECRET"] = SECRET
+    secret_file = tmp_path_factory.mktemp("trainer") / "secret.txt"
+    secret_file.write_text(SECRET)
+    cfg = SandboxConfig(timeout_s=2.0, num_slots=2, uid_base=62000, uid_count=16,
+                        memory_mb=512, tmpfs_mb=8, max_output_bytes=1 << 16,
+                        lock_dir=str(tmp_path_factory.mktemp("locks")))
+    fds_before = len(os.listdir("/proc/self/fd"))
+    scorer = CodeScorer(CodeRewardConfig(sandbox=cfg))
+    yield scorer, str(secret_file)
+    scorer.close()
+    os.environ.pop("KLEAR_TEST_SECRET")
+    uids = set(range(cfg.uid_base, cfg.uid_base + cfg.uid_count))
+    assert [p for u in uids for p in _uid_pids(u)] == []
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def check_attack(env, code, tests):
+    scorer, _ = env
+    cfg = scorer.cfg.sandbox
+    uids = set(range(cfg.uid_base, cfg.uid_base + cfg.uid_count))
+    fds = len(os.listdir("/proc/self/fd"))
+    t = time.monotonic()
+    assert scorer.score_batch([resp(code)], [tests]) == [0.0]
+    assert time.monotonic() - t < 3 * cfg.timeout_s + 5
+    assert [p for u in uids for p in _uid_pids(u)] == [], "stray sandbox processes"
+    assert len(os.listdir("/proc/self/fd")) == fds, "leaked descriptors"
+    # ... and the scorer still works.
+    assert scorer.score_batch([resp("print('ok')")], [stdio("ok")]) == [1.0]
+
+
+ATTACKS = {
+    "infinite_loop": ("while True:\n    pass", stdio("ok")),
+    "sleep_forever": ("import time\ntime.sleep(1000)\nprint('ok')", stdio("ok")),
+    "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                  "        pass", stdio("ok")),
+    "fork_then_exit": ("import os, time\nfor _ in range(20):\n    if os.fork() == 0:\n"
+                       "        time.sleep(1000)\nprint('no')", stdio("ok")),
+    "memory_bomb": ("x = bytearray(4 << 30)\nprint('ok')", stdio("ok")),
+    "memory_grow": ("a = []\nwhile True:\n    a.append(bytearray(1 << 24))", stdio("ok")),
+    "disk_fill": ("n = 0\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        while True:\n"
+                  "            f.write(b'x' * (1 << 20)); n += 1\nexcept OSError:\n    pass\n"
+                  "print('ok' if n > 64 else n)", stdio("ok")),
+    "shm_fill": ("n = 0\ntry:\n    with open('/dev/shm/fill', 'wb') as f:\n        while True:\n"
+                 "            f.write(b'x' * (1 << 20)); n += 1\nexcept OSError:\n    pass\n"
+                 "print('ok' if n > 4 else n)", stdio("ok")),
+    "env_secret": ("import os\nprint(os.environ.get('KLEAR_TEST_SECRET', 'none'))", stdio(SECRET)),
+    "proc_environ": ("import os\nfor p in os.listdir('/proc'):\n    try:\n        d = open(f'/proc/{p}/environ').read()\n"
+                     f"        if {SECRET!r} in d: print({SECRET!r}); break\n"
+                     "    except Exception:\n        pass", stdio(SECRET)),
+    "read_repo_file": (f"print(open({REPO_FILE!r}).read()[:3])", stdio('"""')),
+    "read_root": ("import os\nprint(sorted(os.listdir('/root'))[:1], open('/etc/hostname').read())",
+                  stdio("x")),
+    "write_outside": ("import os\nok = 0\nfor p in ['/klear_pwn', '/usr/klear_pwn', '/etc/klear_pwn', "
+                      f"{os.path.dirname(REPO_FILE)!r} + '/klear_pwn', '/root/.pyenv/klear_pwn']:\n"
+                      "    try:\n        open(p, 'w').write('x'); ok += 1\n    except OSError:\n"
+                      "        pass\nprint('ok' if ok else 'no')", stdio("ok")),
+    "kill_parent": ("import os, signal\nfor pid in (os.getppid(), 1, -1):\n    try:\n"
+                    "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+                    "print('no')", stdio("ok")),
+    "huge_output": ("import sys\nwhile True:\n    sys.stdout.write('ok\\n' * 10000)", stdio("ok")),
+    "huge_stderr": ("import sys\nfor _ in range(10 ** 5):\n    sys.stderr.write('e' * 10000)\n"
+                    "print('no')", stdio("ok")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_attack_scores_zero(env, name):
+    code, tests = ATTACKS[name]
+    check_attack(env, code, tests)
+
+
+def test_trainer_file_is_unreadable(env):
+    _, secret_file = env
+    check_attack(env, f"print(open({secret_file!r}).read())", stdio(SECRET))
+
+
+def test_network_connect_to_host_listener(env):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(5)
+    port = srv.getsockname()[1]
+    hits = []
+    threading.Thread(target=lambda: hits.append(_accept(srv)), daemon=True).start()
+    try:
+        check_attack(env, "import socket\ntry:\n"
+                          f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                          "    print(s.recv(10).decode())\nexcept OSError:\n    print('no')",
+                     stdio("ok"))
+        check_attack(env, "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), "
+                          "timeout=1)\n    print('ok')\nexcept OSError:\n    print('no')",
+                     stdio("ok"))
+    finally:
+        srv.close()
+    assert hits in ([], [None])
+
+
+def _accept(srv):
+    try:
+        conn, _ = srv.accept()
+        conn.sendall(b"ok")
+        conn.close()
+        return "connected"
+    except OSError:
+        return None
+
+
+CALL = {"fn_name": "f", "inputs": [[3]], "outputs": [42]}
+TAMPER = {
+    "exit_before_tests": "import sys\nsys.exit(0)\ndef f(x):\n    return 42",
+    "os_exit_before_tests": "import os\nos._exit(0)\ndef f(x):\n    return 42",
+    "rigged_eq": "class A:\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return A()",
+    "rigged_int": "class I(int):\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return I(1)",
+    "patch_json_print": ("import json, builtins, sys, os\njson.dumps = lambda *a, **k: '42'\n"
+                         "builtins.print = lambda *a, **k: None\nsys.exit = lambda *a: None\n"
+                         "os.write = lambda *a: 0\ndef f(x):\n    return 0"),
+    "fake_markers": ("import sys\nfor line in sys.stdin: print(line)\nprint('PASS True 42')\n"
+                     "def f(x):\n    print('0' * 32, 42)\n    return 0"),
+    "stolen_nonce_wrong_value": ("import __main__, os\n"
+                                 "os.write(1, (__main__._nonce + ' 41\\n').encode())\n"
+                                 "os._exit(0)\ndef f(x):\n    return 41"),
+    "exit_in_call": "import sys\ndef f(x):\n    sys.exit(0)",
+    "hang_in_call": "def f(x):\n    while True: pass",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPER))
+def test_harness_tampering_scores_zero(env, name):
+    check_attack(env, TAMPER[name], CALL)
+
+
+def test_honest_call_based_passes(env):
+    scorer, _ = env
+    assert scorer.score_batch([resp("def f(x):\n    return 42")], [CALL]) == [1.0]
+
+
+def test_timeout_kills_sandbox_promptly():
+    cfg = SandboxConfig(timeout_s=1.0, num_slots=1, uid_base=62100, uid_count=4)
+    sb = Sandbox(cfg)
+    t = time.monotonic()
+    res = sb.run("import os, time\nfor _ in range(10):\n    try:\n        os.fork()\n"
+                 "    except OSError:\n        pass\ntime.sleep(100)")
+    assert res.status == "timeout" and time.monotonic() - t < 5
+    assert [p for u in range(62100, 62104) for p in _uid_pids(u)] == []
+    res = sb.run("import os\nprint(os.getuid(), len(os.listdir('/proc')))")
+    assert res.ok and int(res.stdout.split()[0]) >= 62100
+
+
+def test_no_files_left_by_sandbox_uids(env):
+    scorer, _ = env
+    cfg = scorer.cfg.sandbox
+    uids = set(range(cfg.uid_base, cfg.uid_base + cfg.uid_count))
+    assert host_files_owned_by(uids) == []
