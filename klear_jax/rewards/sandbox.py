@@ -291,6 +291,9 @@ class Sandbox:
             proc = subprocess.Popen(cmd, stdin=in_fd, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, pass_fds=(prog_fd, info_w),
                                     env={"PATH": "/usr/bin:/bin"}, process_group=0)
+        except BaseException:
+            os.close(info_r)
+            raise
         finally:
             for fd in (prog_fd, in_fd, info_w):
                 os.close(fd)
