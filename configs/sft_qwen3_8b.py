@@ -6,7 +6,7 @@ Paper settings: lr 8e-5 cosine-decayed to 4e-5, 4 epochs, 32K-token packed rows;
 bfloat16, full remat, splash attention (XLA attention does not fit at 32K; see DESIGN.md).
 
     python -m klear_jax.sft --config=configs/sft_qwen3_8b.py --config.workdir=gs://b/sft \
-        --config.init.path=gs://b/Qwen3-8B-Base --config.data.path=gs://b/tfds
+        --config.init.path=gs://b/Qwen3-8B-Base --config.data.dir=gs://b/tfds --config.data.name=klear_sft
 Variants: ``:chips=64`` (devices of the slice), ``:steps=N`` (set from dataset size x 4
 epochs / batch), ``:batch=N`` rows per step.
 """
@@ -28,6 +28,7 @@ def get_config(arg=None):
                    rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
                    tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
                    remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
+    c.data.update(split="train", num_epochs=4, overlong="truncate", num_packing_bins=128)
     c.train.update(total_steps=a.steps, batch_size=a.batch, seq_len=a.seq_len,
                    num_microbatches=2, max_consecutive_skips=5, log_every=1)
     c.optim.update(lr=8e-5, end_lr=4e-5, schedule="cosine", warmup_steps=20, decay_steps=0,

@@ -1,7 +1,7 @@
 """A tiny Qwen3-shaped model that trains on CPU in seconds (tests, the demo, smoke runs).
 
     python -m klear_jax.sft --config=configs/sft_tiny.py --config.workdir=/tmp/w \
-        --config.data.path=/tmp/tfds_dir --config.data.tokenizer=/tmp/tok
+        --config.data.dir=/tmp/tfds --config.data.name=my_sft
 Variant: ``configs/sft_tiny.py:vocab=512`` (vocab must match the tokenizer).
 """
 
@@ -17,6 +17,7 @@ def get_config(arg=None):
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
                    rope_theta=10000.0, dtype="float32", param_dtype="float32",
                    logprob_chunk_size=32)
+    c.data.update(num_epochs=0)  # repeat: tiny generated sets are a few steps long
     c.train.update(total_steps=a.steps, batch_size=16, seq_len=64, num_microbatches=2,
                    max_consecutive_skips=3, log_every=1)
     c.optim.update(lr=1e-3, end_lr=1e-4, schedule="cosine", warmup_steps=2, weight_decay=0.0)

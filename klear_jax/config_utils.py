@@ -21,9 +21,15 @@ checked by ``validate_sft_config`` before anything heavy starts.
                                   "orbax" the architecture comes from the checkpoint and only
                                   dtype / param_dtype / remat_policy / attention_impl /
                                   logprob_chunk_size are taken from here.
-    data.*                        keyword arguments of klear_jax.data.sft_batches (dataset
-                                  location, tokenizer, packing, epochs, ...), except
-                                  batch_size / seq_len / seed, which come from train / seed
+    data.dir                str   TFDS data_dir holding the dataset written by
+                                  ``python -m klear_jax.data.prepare`` ("" = TFDS default)
+    data.name               str   TFDS dataset name
+    data.split              str   split to train on ("train")
+    data.shuffle            bool  shuffle records (seeded by ``seed``) and packing bins
+    data.num_epochs         int   passes over the data (0 = repeat forever); the run stops
+                                  early with "data_exhausted" when they run out
+    data.overlong           str   "truncate" | "drop" sequences longer than train.seq_len
+    data.num_packing_bins   int   first-fit packing bins (0 = max(batch, 32))
     train.total_steps       int   optimizer steps to run
     train.batch_size        int   rows per step (global, over all hosts); divisible by
                                   num_microbatches * mesh.data * mesh.fsdp
@@ -98,7 +104,8 @@ def sft_base() -> ml_collections.ConfigDict:
         max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
         qkv_bias=False, dtype="bfloat16", param_dtype="float32", remat_policy="none",
         attention_impl="xla", logprob_chunk_size=512, model_type="qwen3")
-    c.data = ml_collections.ConfigDict()
+    c.data = dict(dir="", name="", split="train", shuffle=True, num_epochs=1,
+                  overlong="truncate", num_packing_bins=0)
     c.train = dict(total_steps=1, batch_size=8, seq_len=512, num_microbatches=1,
                    max_consecutive_skips=5, log_every=1, loss_agg="token-mean")
     c.optim = dict(lr=8e-5, end_lr=4e-5, schedule="cosine", warmup_steps=0, decay_steps=0,
@@ -241,6 +248,12 @@ def validate_sft_config(c, num_devices: int | None = None) -> None:
         shards = sizes["data"] * sizes["fsdp"]
         _need((bs // nm) % shards == 0, f"{t}.batch_size",
               f"micro-batch of {bs // nm} rows is not divisible by mesh.data * mesh.fsdp = {shards}")
+    _need(isinstance(c.data.name, str) and c.data.name != "", "data.name",
+          "must name the TFDS dataset to train on")
+    _int(c, "data.num_epochs", lo=0)
+    _int(c, "data.num_packing_bins", lo=0)
+    _need(c.data.overlong in ("truncate", "drop"), "data.overlong",
+          f"must be 'truncate' or 'drop', got {c.data.overlong!r}")
     from klear_jax.losses import AGG_MODES
     _need(c.train.loss_agg in AGG_MODES, f"{t}.loss_agg",
           f"unknown aggregation {c.train.loss_agg!r}; allowed {AGG_MODES}")

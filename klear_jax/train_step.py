@@ -213,6 +213,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
                    "tokens": jnp.asarray(tokens, jnp.float32), "skipped": skipped,
                    "skipped_total": new_state.skipped}
+        if "segment_ids" in batch:
+            metrics["batch_tokens"] = jnp.sum(batch["segment_ids"] > 0, dtype=jnp.float32)
         for k, v in finalize_metrics(msums, denom).items():
             metrics.setdefault(k, v)
         return new_state, metrics

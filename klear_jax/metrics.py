@@ -1,0 +1,137 @@
+"""Metric sinks for training loops: TensorBoard (tensorboardX), a JSONL file, a progress bar.
+
+Only process 0 writes (``jax.process_index() == 0``); other hosts get a no-op writer.
+``metrics.jsonl`` holds one JSON object per logged step: {"step": int, <name>: float, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Device scalars -> Python floats (one host sync for the whole dict)."""
+    import jax
+    host = jax.device_get(dict(metrics))
+    return {k: float(np.asarray(v)) for k, v in host.items()}
+
+
+class MetricWriter:
+    """Writes scalars to ``workdir/metrics.jsonl`` and TensorBoard under ``workdir/tb``.
+
+    On resume the JSONL file is truncated to the steps before ``start_step`` so it reads as
+    one uninterrupted run.
+    """
+
+    def __init__(self, workdir: str, start_step: int = 0, enabled: bool | None = None,
+                 tensorboard: bool = True):
+        if enabled is None:
+            import jax
+            enabled = jax.process_index() == 0
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        _truncate_jsonl(self.path, start_step)
+        self._file = open(self.path, "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step or None)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step)}
+        row.update({k: float(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(row, allow_nan=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, float(v), int(step))
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._file.flush()
+            if self._tb is not None:
+                self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def _truncate_jsonl(path: str, start_step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip()]
+    keep = [r for r in rows if json.loads(r).get("step", 0) < start_step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class ProgressBar:
+    """One status line: step/total, loss, tokens/s, ETA. Rewrites in place on a TTY,
+    prints a line per update otherwise (logs)."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, stream=None,
+                 enabled: bool | None = None):
+        if enabled is None:
+            import jax
+            enabled = jax.process_index() == 0
+        self.enabled = enabled
+        self.total, self.start = total_steps, start_step
+        self.stream = stream or sys.stderr
+        self._t0 = None
+        self._tokens = 0.0
+        self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> str:
+        """``step`` = steps completed. The timer starts at the first update, so compilation
+        of the first step does not count towards tokens/s."""
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0, self._first, self._tokens = now, step, 0.0
+            rate, eta = float("nan"), float("nan")
+        else:
+            self._tokens += metrics.get("batch_tokens", metrics.get("tokens", 0.0))
+            dt = now - self._t0
+            steps = step - self._first
+            rate = self._tokens / dt if dt > 0 else float("nan")
+            eta = dt / steps * (self.total - step) if steps > 0 else float("nan")
+        line = (f"step {step}/{self.total} loss {metrics.get('loss', float('nan')):.4f} "
+                f"tok/s {rate:,.0f} ETA {_fmt_time(eta)}")
+        if metrics.get("skipped"):
+            line += " [update skipped: non-finite]"
+        if self.enabled:
+            self.stream.write(("\r" + line) if self._tty else line + "\n")
+            self.stream.flush()
+        return line
+
+    def close(self) -> None:
+        if self.enabled and self._tty:
+            self.stream.write("\n")
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "--:--"
+    s = int(s)
+    h, rem = divmod(s, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60:02d}:{rem % 60:02d}"
