@@ -1,0 +1,49 @@
+"""The paper's math RL stage (GPPO) of Klear-Reasoner-8B on a TPU v5p-64 slice (32 chips,
+megacore: one JAX device per chip), starting from the SFT checkpoint.
+
+Paper settings (PAPER.md sections 2-6): 128 prompts x 8 responses per step, over-generated
+from 256 prompts so zero-advantage groups can be dropped; mini-batches of 16 prompts (8
+updates per step); lr 1e-6 constant after 10 warmup steps; AdamW(0.9, 0.999), wd 0.1,
+clip 1.0; GPPO eps 0.2 / 0.28, dual clip 10, beta1 = beta2 = 1; SFT term alpha 0.1 on
+all-correct responses; temperature 1.0, top_p 1; prompt 4096 + response 32768 tokens.
+
+    python -m klear_jax.rl --config=configs/gppo_math_qwen3_8b.py \
+        --config.workdir=gs://b/rl_math --config.init.path=gs://b/sft/checkpoints \
+        --config.data.dir=gs://b/tfds --config.data.name=klear_math \
+        --config.data.tokenizer=/path/to/tokenizer
+Variants: ``:chips=64``, ``:steps=N``.
+"""
+
+from klear_jax import config_utils
+from klear_jax import rl_config
+
+
+def get_config(arg=None):
+    a = config_utils.parse_arg(arg, chips=32, steps=500)
+    c = rl_config.rl_base()
+    c.seed = 0
+    c.mesh = dict(data=1, fsdp=a.chips, tensor=1)
+    c.init = dict(source="orbax", path="", step=-1)  # the SFT run's checkpoints
+    c.model.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                   num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                   rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                   tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
+                   remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
+    c.data.update(split="train", shuffle=True, num_epochs=0)
+    # KV cache of 16 prompts x 8 x 36.8K tokens x 147 KB/token (bf16) ~ 690 GB over 32 chips.
+    c.rollout.update(prompts_per_step=256, group_size=8, temperature=1.0, top_p=1.0, top_k=0,
+                     repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
+                     sample_chunk_prompts=16)
+    # 16 prompts x 8 = 128 rows per mini-batch; 4 micro-batches of 32 rows = 1 row per chip.
+    c.train.update(total_steps=a.steps, batch_prompts=128, num_minibatches=8,
+                   num_microbatches=4, length_bucket=4096, max_consecutive_skips=5,
+                   log_every=1)
+    c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, beta1=1.0, beta2=1.0,
+                  dual_clip=10.0, agg="token-mean", sft_alpha=0.1, adv_estimator="grpo",
+                  adv_use_std=True, filter_zero_adv=True, overlong_filter=False)
+    c.reward.math.update(correct=1.0, wrong=-1.0, missing_close_think=-0.5,
+                         missing_open_think=-2.0, num_workers=16)
+    c.optim.update(lr=1e-6, end_lr=1e-6, schedule="constant", warmup_steps=10,
+                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
+    c.checkpoint.update(every_steps=10, keep=3, async_save=True)
+    return c

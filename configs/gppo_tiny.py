@@ -1,0 +1,35 @@
+"""GPPO on a tiny Qwen3-shaped model: tests, the CPU demo, smoke runs.
+
+    python -m klear_jax.rl --config=configs/gppo_tiny.py --config.workdir=/tmp/rl \
+        --config.data.dir=/tmp/tfds --config.data.name=my_rl_math \
+        --config.data.tokenizer=/tmp/tok [--config.init.source=orbax --config.init.path=SFT_DIR]
+Variants: ``configs/gppo_tiny.py:vocab=512,steps=50`` (vocab must match the tokenizer).
+Over-generates 8 -> 4 groups of 8, two mini-batch updates per step; 8 devices split the
+16-row mini-batch (tests run with 8 fake CPU devices).
+"""
+
+from klear_jax import config_utils
+from klear_jax import rl_config
+
+
+def get_config(arg=None):
+    a = config_utils.parse_arg(arg, vocab=256, steps=4)
+    c = rl_config.rl_base()
+    c.seed = 0
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    c.model.update(vocab_size=a.vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                   rope_theta=10000.0, dtype="float32", param_dtype="float32",
+                   logprob_chunk_size=32)
+    c.data.update(num_epochs=0)
+    c.rollout.update(prompts_per_step=8, group_size=8, temperature=1.0, top_p=1.0,
+                     max_prompt_len=64, max_new_tokens=32, sample_chunk_prompts=0)
+    c.train.update(total_steps=a.steps, batch_prompts=4, num_minibatches=2,
+                   num_microbatches=1, length_bucket=32, max_consecutive_skips=3, log_every=1)
+    c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, dual_clip=10.0, sft_alpha=0.1)
+    c.reward.math.update(num_workers=1)
+    c.reward.code.update(timeout_s=5.0, max_tests=8)
+    c.optim.update(lr=1e-3, end_lr=1e-3, schedule="constant", warmup_steps=0,
+                   weight_decay=0.0, clip_norm=1.0)
+    c.checkpoint.update(every_steps=2, keep=2, async_save=False)
+    return c

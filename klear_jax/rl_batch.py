@@ -1,0 +1,173 @@
+"""Host-side (numpy) pieces of an RL step: group selection, advantages, the train batch.
+
+Responses arrive flat, N = P * G, response ``p * G + g`` being the g-th sample of prompt p
+(the sampler keeps a prompt's responses contiguous). Rewards are [P, G].
+
+RL batch layout, one row per kept response (rows of a group contiguous), all [R, T]:
+
+    input_ids    int32   prompt ++ response[:length], right-padded with pad_id
+    targets      int32   next token (input_ids shifted left; 0 past the end)
+    loss_mask    float32 1 where the target is a response token (positions Lp-1 .. Lp+Lr-2),
+                         0 for prompt targets, padding and (overlong filter) truncated rows
+    segment_ids  int32   1 on real tokens, 0 on padding (attention ignores padding)
+    advantages   float32 [R] the response's group-relative advantage
+    positive     float32 [R] 1 if the response got the maximum possible reward (SFT term)
+    sampler_logp float32 the sampler's log-prob of each target response token (0 elsewhere)
+
+Empty padding rows (mini-batch fill) are all zero with input_ids = pad_id: they add nothing
+to any loss sum or denominator.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from klear_jax import advantages as adv_lib
+
+KEYS_2D = ("input_ids", "targets", "loss_mask", "segment_ids", "sampler_logp")
+KEYS_1D = ("advantages", "positive")
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-int(n) // int(m)) * int(m)
+
+
+def bucket_length(needed: int, bucket: int, cap: int) -> int:
+    """Row length T: ``needed`` rounded up to a multiple of ``bucket``, at most ``cap``;
+    bucket 0 = always ``cap`` (a single compiled shape)."""
+    if needed > cap:
+        raise ValueError(f"rl_batch: a row needs {needed} tokens, more than the cap {cap} "
+                         "(rollout.max_prompt_len + rollout.max_new_tokens)")
+    return cap if bucket <= 0 else min(round_up(max(needed, 1), bucket), cap)
+
+
+def group_advantages(rewards, estimator: str = "grpo", use_std: bool = True) -> np.ndarray:
+    """[P, G] rewards -> [P, G] float32 advantages ("grpo" or "rloo")."""
+    r = np.asarray(rewards, np.float32)
+    if estimator == "grpo":
+        a = adv_lib.grpo_advantages(r, use_std=use_std)
+    elif estimator == "rloo":
+        a = adv_lib.rloo_advantages(r)
+    else:
+        raise ValueError(f"rl_batch: unknown advantage estimator {estimator!r} (grpo, rloo)")
+    return np.asarray(a, np.float32)
+
+
+def select_groups(rewards, batch_prompts: int, filter_zero_adv: bool = True,
+                  atol: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """(kept prompt indices int [k] in sampling order, has_signal bool [P]).
+
+    With ``filter_zero_adv`` only groups whose rewards differ (beyond ``atol``) are
+    candidates; at most ``batch_prompts`` of them are kept (over-generation cap). Nothing
+    is padded in: with too few candidates the batch shrinks.
+    """
+    signal = np.asarray(adv_lib.group_filter_mask(np.asarray(rewards, np.float32), atol))
+    cand = np.nonzero(signal)[0] if filter_zero_adv else np.arange(signal.shape[0])
+    return cand[:batch_prompts], signal
+
+
+def positive_mask(rewards, max_reward, atol: float = 1e-6) -> np.ndarray:
+    """bool [P, G]: response reached its prompt's maximum possible reward ``max_reward``
+    (scalar or [P], e.g. +1 for math, 1.0 = all tests passed for code)."""
+    r = np.asarray(rewards, np.float32)
+    m = np.broadcast_to(np.asarray(max_reward, np.float32).reshape(-1, 1)
+                        if np.ndim(max_reward) else np.float32(max_reward), r.shape)
+    return r >= m - atol
+
+
+def build_rows(prompts: Sequence[np.ndarray], responses: np.ndarray, lengths,
+               seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Rows prompt_r ++ responses[r, :lengths[r]], right-padded to ``seq_len``.
+
+    prompts: R int arrays; responses int [R, Tn]; lengths int [R]. Returns input_ids,
+    targets, loss_mask, segment_ids, each [R, seq_len] (see the module docstring)."""
+    R = len(prompts)
+    responses = np.asarray(responses)
+    lengths = np.asarray(lengths, np.int64)
+    if responses.shape[0] != R or lengths.shape != (R,):
+        raise ValueError(f"rl_batch.build_rows: {R} prompts but responses {responses.shape} "
+                         f"and lengths {lengths.shape}")
+    ids = np.full((R, seq_len), pad_id, np.int32)
+    tgt = np.zeros((R, seq_len), np.int32)
+    mask = np.zeros((R, seq_len), np.float32)
+    seg = np.zeros((R, seq_len), np.int32)
+    for r in range(R):
+        p = np.asarray(prompts[r], np.int32)
+        lp, lr = len(p), int(lengths[r])
+        if lp == 0:
+            raise ValueError(f"rl_batch.build_rows: row {r} has an empty prompt")
+        if not 0 <= lr <= responses.shape[1]:
+            raise ValueError(f"rl_batch.build_rows: row {r} length {lr} outside "
+                             f"[0, {responses.shape[1]}]")
+        n = lp + lr
+        if n > seq_len:
+            raise ValueError(f"rl_batch.build_rows: row {r} has {n} tokens > seq_len {seq_len}")
+        seq = np.concatenate([p, responses[r, :lr].astype(np.int32)])
+        ids[r, :n] = seq
+        tgt[r, :n - 1] = seq[1:]
+        mask[r, lp - 1:n - 1] = 1.0
+        seg[r, :n] = 1
+    return {"input_ids": ids, "targets": tgt, "loss_mask": mask, "segment_ids": seg}
+
+
+def scatter_response_values(values: np.ndarray, prompt_lens, lengths, seq_len: int) -> np.ndarray:
+    """Per-response-token values [R, Tn] (e.g. the sampler's log-probs) -> [R, seq_len] at
+    the positions whose target is that token (Lp - 1 + i), 0 elsewhere."""
+    values = np.asarray(values, np.float32)
+    out = np.zeros((values.shape[0], seq_len), np.float32)
+    for r, (lp, lr) in enumerate(zip(prompt_lens, lengths)):
+        out[r, lp - 1:lp - 1 + lr] = values[r, :lr]
+    return out
+
+
+def build_train_batch(prompts: Sequence[np.ndarray], tokens, lengths, truncated, sampler_logp,
+                      advantages, positive, kept, seq_len: int, pad_id: int,
+                      overlong_filter: bool = False) -> dict[str, np.ndarray]:
+    """The RL batch for the kept groups: R = len(kept) * G rows (module docstring layout).
+
+    prompts: P int arrays; tokens / sampler_logp [P*G, Tn]; lengths, truncated [P*G];
+    advantages, positive [P, G]; kept int [k] prompt indices.
+    """
+    P, G = np.asarray(advantages).shape
+    tokens = np.asarray(tokens)
+    if tokens.shape[0] != P * G:
+        raise ValueError(f"rl_batch: {tokens.shape[0]} responses but advantages are [{P}, {G}]")
+    kept = np.asarray(kept, np.int64)
+    rows = (kept[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+    lengths = np.asarray(lengths, np.int64)[rows]
+    row_prompts = [prompts[i // G] for i in rows]
+    out = build_rows(row_prompts, tokens[rows], lengths, seq_len, pad_id)
+    if overlong_filter:
+        out["loss_mask"] *= ~np.asarray(truncated, bool)[rows, None]
+    out["sampler_logp"] = scatter_response_values(
+        np.asarray(sampler_logp)[rows], [len(p) for p in row_prompts], lengths, seq_len)
+    out["advantages"] = np.asarray(advantages, np.float32).reshape(-1)[rows]
+    out["positive"] = np.asarray(positive, np.float32).reshape(-1)[rows]
+    return out
+
+
+def empty_rows(n: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    out = {k: np.zeros((n, seq_len), np.float32 if k in ("loss_mask", "sampler_logp") else np.int32)
+           for k in KEYS_2D}
+    out["input_ids"][:] = pad_id
+    out.update({k: np.zeros((n,), np.float32) for k in KEYS_1D})
+    return out
+
+
+def split_minibatches(batch: dict[str, np.ndarray], rows_per_minibatch: int, pad_id: int
+                      ) -> list[dict[str, np.ndarray]]:
+    """Consecutive mini-batches of ``rows_per_minibatch`` rows; the last one is filled up
+    with empty rows. An empty batch gives no mini-batches."""
+    R = batch["input_ids"].shape[0]
+    T = batch["input_ids"].shape[1]
+    out = []
+    for start in range(0, R, rows_per_minibatch):
+        mb = {k: v[start:start + rows_per_minibatch] for k, v in batch.items()}
+        short = rows_per_minibatch - mb["input_ids"].shape[0]
+        if short:
+            fill = empty_rows(short, T, pad_id)
+            mb = {k: np.concatenate([v, fill[k].astype(v.dtype)]) for k, v in mb.items()}
+        out.append(mb)
+    return out

@@ -1,0 +1,191 @@
+"""Pure pieces of the RL step: batch layout, group selection, positives, overlong filter,
+mini-batch split, RL loss normalisation, config validation."""
+import numpy as np
+import pytest
+
+from klear_jax import rl_batch as rb
+
+
+def test_build_rows_layout_exact():
+    prompts = [np.array([5, 6, 7]), np.array([8])]
+    resp = np.array([[10, 11, 2, 0], [12, 2, 0, 0]])
+    out = rb.build_rows(prompts, resp, [3, 2], seq_len=8, pad_id=1)
+    np.testing.assert_array_equal(out["input_ids"], [[5, 6, 7, 10, 11, 2, 1, 1],
+                                                     [8, 12, 2, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(out["targets"], [[6, 7, 10, 11, 2, 0, 0, 0],
+                                                   [12, 2, 0, 0, 0, 0, 0, 0]])
+    # loss on targets that are response tokens: 10, 11, 2 / 12, 2
+    np.testing.assert_array_equal(out["loss_mask"], [[0, 0, 1, 1, 1, 0, 0, 0],
+                                                     [1, 1, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 1, 1, 0, 0],
+                                                       [1, 1, 1, 0, 0, 0, 0, 0]])
+    assert out["loss_mask"].dtype == np.float32 and out["input_ids"].dtype == np.int32
+
+
+def test_build_rows_rejects_too_long():
+    with pytest.raises(ValueError, match="row 0 has 5 tokens > seq_len 4"):
+        rb.build_rows([np.array([1, 2, 3])], np.array([[4, 5]]), [2], seq_len=4, pad_id=0)
+
+
+def test_bucket_length():
+    assert rb.bucket_length(5, 4, 32) == 8
+    assert rb.bucket_length(8, 4, 32) == 8
+    assert rb.bucket_length(5, 0, 32) == 32
+    assert rb.bucket_length(19, 16, 20) == 20
+    with pytest.raises(ValueError, match="more than the cap"):
+        rb.bucket_length(21, 16, 20)
+
+
+def test_select_groups_filters_and_caps():
+    rewards = np.array([[1, 1, 1], [1, -1, 1], [-1, -1, -1], [0.5, 0, 1], [1, -1, -1]])
+    kept, signal = rb.select_groups(rewards, batch_prompts=2)
+    np.testing.assert_array_equal(signal, [False, True, False, True, True])
+    np.testing.assert_array_equal(kept, [1, 3])  # capped at 2, sampling order
+    kept, _ = rb.select_groups(rewards, batch_prompts=4)
+    np.testing.assert_array_equal(kept, [1, 3, 4])  # too few: the batch shrinks
+    kept, _ = rb.select_groups(rewards, batch_prompts=4, filter_zero_adv=False)
+    np.testing.assert_array_equal(kept, [0, 1, 2, 3])
+    kept, _ = rb.select_groups(np.ones((3, 4)), batch_prompts=2)
+    assert kept.shape == (0,)
+
+
+def test_group_advantages_and_positive():
+    r = np.array([[1.0, -1.0, 1.0, -1.0], [0.0, 0.0, 0.0, 1.0]])
+    a = rb.group_advantages(r)
+    std = np.std([1, -1, 1, -1], ddof=1)
+    np.testing.assert_allclose(a[0], np.array([1, -1, 1, -1]) / (std + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(rb.group_advantages(r, use_std=False)[1], [-.25, -.25, -.25, .75])
+    np.testing.assert_allclose(rb.group_advantages(r, "rloo")[1], [-1 / 3, -1 / 3, -1 / 3, 1.0],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(rb.positive_mask(r, 1.0),
+                                  [[1, 0, 1, 0], [0, 0, 0, 1]])
+    # per-prompt maximum (e.g. a math prompt with correct = 2.0 beside a code prompt)
+    np.testing.assert_array_equal(rb.positive_mask(r, np.array([2.0, 1.0])),
+                                  [[0, 0, 0, 0], [0, 0, 0, 1]])
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        rb.group_advantages(r, "ppo")
+
+
+def _rollout():
+    # P=2 prompts, G=2: responses 0,1 of prompt 0; 2,3 of prompt 1. Tn = 3.
+    prompts = [np.array([3, 4]), np.array([5])]
+    tokens = np.array([[10, 2, 0], [11, 12, 13], [14, 2, 0], [15, 2, 0]])
+    lengths = np.array([2, 3, 2, 2])
+    truncated = np.array([False, True, False, False])
+    slogp = -np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    return prompts, tokens, lengths, truncated, slogp
+
+
+def test_build_train_batch_kept_groups_and_overlong_filter():
+    prompts, tokens, lengths, truncated, slogp = _rollout()
+    adv = np.array([[0.5, -0.5], [1.0, -1.0]], np.float32)
+    pos = np.array([[1, 0], [0, 1]], bool)
+    b = rb.build_train_batch(prompts, tokens, lengths, truncated, slogp, adv, pos, kept=[0],
+                             seq_len=6, pad_id=0, overlong_filter=True)
+    np.testing.assert_array_equal(b["input_ids"], [[3, 4, 10, 2, 0, 0], [3, 4, 11, 12, 13, 0]])
+    # row 1 was truncated: masked out entirely by the overlong filter
+    np.testing.assert_array_equal(b["loss_mask"], [[0, 1, 1, 0, 0, 0], [0] * 6])
+    np.testing.assert_array_equal(b["advantages"], [0.5, -0.5])
+    np.testing.assert_array_equal(b["positive"], [1, 0])
+    np.testing.assert_allclose(b["sampler_logp"][0], [0, 0, -0.1, 0, 0, 0])
+    np.testing.assert_allclose(b["sampler_logp"][1], [0, -0.3, -0.4, -0.5, 0, 0])
+    b2 = rb.build_train_batch(prompts, tokens, lengths, truncated, slogp, adv, pos, kept=[1, 0],
+                              seq_len=6, pad_id=0, overlong_filter=False)
+    np.testing.assert_array_equal(b2["input_ids"][:2], [[5, 14, 2, 0, 0, 0], [5, 15, 2, 0, 0, 0]])
+    np.testing.assert_array_equal(b2["loss_mask"][3], [0, 1, 1, 1, 0, 0])  # kept without filter
+    np.testing.assert_array_equal(b2["advantages"], [1.0, -1.0, 0.5, -0.5])
+
+
+def test_split_minibatches_pads_last_with_empty_rows():
+    prompts, tokens, lengths, truncated, slogp = _rollout()
+    adv = np.ones((2, 2), np.float32)
+    b = rb.build_train_batch(prompts, tokens, lengths, truncated, slogp, adv,
+                             np.zeros((2, 2)), kept=[0, 1], seq_len=6, pad_id=7)
+    mbs = rb.split_minibatches({k: v[:3] for k, v in b.items()}, 2, pad_id=7)
+    assert len(mbs) == 2
+    last = mbs[1]
+    assert all(v.shape[0] == 2 for v in last.values())
+    np.testing.assert_array_equal(last["input_ids"][1], [7] * 6)
+    assert last["loss_mask"][1].sum() == 0 and last["segment_ids"][1].sum() == 0
+    assert last["advantages"][1] == 0 and last["positive"][1] == 0
+    assert rb.split_minibatches({k: v[:0] for k, v in b.items()}, 2, 7) == []
+
+
+def test_rl_loss_global_normalisation_two_terms():
+    """The RL loss equals pg_sum/D_pg + alpha * sft_sum/D_sft over the whole mini-batch,
+    whatever the micro-batch split (checked with make_train_step on 1 vs 2 micro-batches)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from klear_jax import losses, rl_loss, train_step as ts
+    from klear_jax import sharding as shd
+    from klear_jax.models import ModelConfig, create_model
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64,
+                      dtype="float32", param_dtype="float32", logprob_chunk_size=8)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    R, T = 4, 8
+    mb = rb.build_rows([np.array([1, 2])] * R, rng.integers(3, 30, (R, 5)), [5, 3, 1, 4], T, 0)
+    mb["advantages"] = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
+    mb["positive"] = np.array([1, 0, 0, 1], np.float32)
+    mb["old_logp"] = (mb["loss_mask"] * -3.3).astype(np.float32)
+    alpha = 0.3
+    rl = rl_loss.make_rl_loss(sft_alpha=alpha)
+    model = create_model(cfg, seed=0)
+    logp, _ = rl_loss.token_logprobs(model, {k: jnp.asarray(v) for k, v in mb.items()})
+    want_pg = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"],
+                                 "gppo", 0.2, 0.28, dual_clip=10.0)[0]
+    want_sft = losses.finalize(*losses.positive_sft_terms(logp, mb["loss_mask"], mb["positive"]))
+    got = {}
+    for M in (1, 2):
+        opt = optax.sgd(0.0)
+        graphdef, state, sh = ts.init_train_state(create_model(cfg, seed=0), opt, mesh)
+        step = ts.make_train_step(graphdef, opt, rl.loss_fn, mesh, M, sh, denom_fn=rl.denom_fn,
+                                  loss_weights=rl.loss_weights,
+                                  finalize_metrics=rl.finalize_metrics, donate=False)
+        _, m = step(state, {k: jnp.asarray(v) for k, v in mb.items()})
+        got[M] = m
+        np.testing.assert_allclose(m["loss"], want_pg + alpha * want_sft, rtol=1e-5)
+        np.testing.assert_allclose(m["sft_nll"], want_sft, rtol=1e-5)
+        assert float(m["sft_tokens"]) == mb["loss_mask"][[0, 3]].sum()
+    np.testing.assert_allclose(got[1]["grad_norm"], got[2]["grad_norm"], rtol=1e-5)
+
+
+def test_rl_config_validation_names_keys(tmp_path):
+    from klear_jax import config_utils as cu
+    from klear_jax import rl_config
+
+    c = cu.load_config("configs/gppo_tiny.py")
+    c = cu.apply_overrides(c, [f"workdir={tmp_path}", "data.name=x", "data.tokenizer=t"])
+    rl_config.validate_rl_config(c, 8)
+    for override, key in [("train.batch_prompts=100", "train.batch_prompts"),
+                          ("train.num_minibatches=3", "train.num_minibatches"),
+                          ("rollout.group_size=1", "rollout.group_size"),
+                          ("loss.kind=ppo2", "loss.kind"),
+                          ("loss.dual_clip=0.5", "loss.dual_clip"),
+                          ("rollout.sample_chunk_prompts=3", "rollout.sample_chunk_prompts"),
+                          ("reward.code.mode=bogus", "reward.code"),
+                          ("rollout.max_new_tokens=100000", "rollout.max_new_tokens")]:
+        bad = cu.apply_overrides(cu.load_config("configs/gppo_tiny.py"),
+                                 [f"workdir={tmp_path}", "data.name=x", "data.tokenizer=t",
+                                  override])
+        with pytest.raises(cu.ConfigError, match=key.replace(".", r"\.")):
+            rl_config.validate_rl_config(bad, 8)
+
+
+@pytest.mark.parametrize("name", ["gppo_math_qwen3_8b", "gppo_code_qwen3_8b"])
+def test_paper_configs_validate(name, tmp_path):
+    from klear_jax import config_utils as cu
+    from klear_jax import rl_config
+
+    c = cu.apply_overrides(cu.load_config(f"configs/{name}.py"),
+                           [f"workdir={tmp_path}", "init.path=/ckpt", "data.name=x",
+                            "data.tokenizer=t"])
+    rl_config.validate_rl_config(c, 32)
+    assert (c.rollout.group_size, c.train.batch_prompts, c.rollout.temperature) == (8, 128, 1.0)
+    assert (c.loss.eps_low, c.loss.eps_high, c.loss.dual_clip, c.loss.sft_alpha) == (0.2, 0.28, 10.0, 0.1)
+    mb = c.train.batch_prompts // c.train.num_minibatches
+    assert (mb, c.optim.lr) == ((16, 1e-6) if "math" in name else (32, 5e-7))
