@@ -1,0 +1,49 @@
+"""Curating a long-CoT SFT set the Klear way (PAPER.md sections 4 and 7).
+
+    python -m klear_jax.data.curate --config=configs/curate_example.py:root=/data/raw \
+        --config.output.dir=/data/curated --config.output.tokenizer=/models/tok
+
+Files expected under ROOT (HF-style JSONL or Parquet; see klear_jax/data/records.py):
+  math_a/*.jsonl, math_b/*.jsonl, math_c/*.jsonl   {"prompt", "response", "answer", "difficulty"}
+  code_a/*.jsonl, code_b/*.jsonl                   {"prompt", "response", "tests", "difficulty"}
+  bench/aime24.jsonl, bench/aime25.jsonl, bench/lcb_v5.jsonl   {"problem" | "question" | "prompt"}
+Quality scores rank sources within a domain (e.g. from a small ablation); only the top two
+per domain are read ("few top sources beat many"). Incorrect teacher traces are kept for
+hard problems (difficulty >= 0.7) and dropped for easy ones.
+Variants: `:kind=rl_math` makes an RL prompt set instead (pass-rate band from `pass_rate`).
+"""
+from klear_jax import config_utils
+from klear_jax.data.curate import curate_base, source
+
+
+def get_config(arg=None):
+    a = config_utils.parse_arg(arg, root="data/raw", kind="sft")
+    c = curate_base()
+    c.kind = a.kind
+    c.seed = 0
+    r = a.root
+    if a.kind == "sft":
+        c.sources.math_a = source(paths=[f"{r}/math_a/*.jsonl"], domain="math", quality=0.9)
+        c.sources.math_b = source(paths=[f"{r}/math_b/*.jsonl"], domain="math", quality=0.7, cap=200_000)
+        c.sources.math_c = source(paths=[f"{r}/math_c/*.jsonl"], domain="math", quality=0.3)
+        c.sources.code_a = source(paths=[f"{r}/code_a/*.jsonl"], domain="code", quality=0.8)
+        c.sources.code_b = source(paths=[f"{r}/code_b/*.jsonl"], domain="code", quality=0.6, weight=0.5)
+        c.label.update(enabled=True, batch_size=256, require_open_think=True, math_workers=8,
+                       code_timeout_s=35.0, code_max_tests=16)
+        c.difficulty.update(source="field", field="difficulty", hard_min=0.7)
+        c.retain.update(keep_incorrect_hard=True, keep_incorrect_easy=False)
+        c.output.max_length = 32768
+    else:  # RL math prompts with k precomputed reference samples per problem
+        c.sources.math_rl = source(paths=[f"{r}/math_rl/*.jsonl"], domain="math", quality=1.0)
+        c.dedup.response = False
+        c.pass_rate.update(source="samples", samples_field="samples", batch_size=64)
+        c.rl_filter.update(min_pass_rate=0.05, max_pass_rate=0.95)
+        c.output.max_length = 4096
+    c.select.top_n_per_domain = 2
+    c.dedup.update(prompt=True, max_unique=0)
+    c.decontam.benchmarks = dict(aime24=[f"{r}/bench/aime24.jsonl"], aime25=[f"{r}/bench/aime25.jsonl"],
+                                 lcb_v5=[f"{r}/bench/lcb_v5.jsonl"])
+    c.decontam.n = 9
+    c.output.update(dir="data/curated", name=f"klear_{a.kind}", tfds=True, tokenizer="",
+                    val_fraction=0.0, drop_fields=("samples",))
+    return c

@@ -1,0 +1,228 @@
+"""Correctness labels, pass rates and the decisions built on them (curation steps).
+
+Which checker: by the record's domain (set from its source's `domain`): "math" -> the
+project's math reward (klear_jax.rewards.math, math-verify) against the record's `answer`;
+"code" -> the sandboxed code reward against the record's `tests` / `input_output`. Other
+domains are left unlabelled (correct = None) and pass every correctness-based step.
+
+A trace is correct when its reward equals MathRewardConfig.correct (math) or when it passes
+every test it was run on (code; the first `max_tests`). Annotations written into the record:
+    correct (bool | None), label_reward (float)   from LabelStep
+    pass_rate (float in [0, 1]), pass_samples (int) from PassRateStep
+Pass rate sources: "field" (a number in the record), "samples" (the record's list of
+responses, e.g. k samples of a reference model, scored with the same checkers: the fraction
+that is correct). Scoring is batched: one batch of records is scored concurrently.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from klear_jax.data import records as R
+from klear_jax.data.curate_steps import Batched, Filter, response_text
+from klear_jax.data.records import RawRecord, RecordError
+
+
+class Scorers:
+    """Lazily created math / code scorers shared by the steps; `close()` them at the end."""
+
+    def __init__(self, require_open_think: bool, math_workers: int, code_timeout_s: float,
+                 code_max_tests: int, code_slots: int):
+        self.require_open_think = require_open_think
+        self.math_workers, self.code_timeout_s = math_workers, code_timeout_s
+        self.code_max_tests, self.code_slots = code_max_tests, code_slots
+        self._math = self._code = None
+
+    @property
+    def math(self):
+        if self._math is None:
+            from klear_jax.rewards import MathRewardConfig, MathScorer
+            self._math = MathScorer(MathRewardConfig(require_open_think=self.require_open_think,
+                                                     num_workers=self.math_workers))
+        return self._math
+
+    @property
+    def code(self):
+        if self._code is None:
+            from klear_jax.rewards import CodeRewardConfig, CodeScorer, SandboxConfig
+            sb = SandboxConfig(timeout_s=self.code_timeout_s, max_tests=self.code_max_tests,
+                               num_slots=self.code_slots)
+            self._code = CodeScorer(CodeRewardConfig(mode="soft", require_open_think=self.require_open_think,
+                                                     sandbox=sb))
+        return self._code
+
+    def close(self) -> None:
+        for s in (self._math, self._code):
+            if s is not None:
+                s.close()
+        self._math = self._code = None
+
+    def correct(self, domain: str, responses: list[str], refs: list[Any]) -> tuple[list[bool], list[float]]:
+        """(correct flags, rewards) for responses against their answers (math) / tests (code)."""
+        if not responses:
+            return [], []
+        if domain == "math":
+            rewards = self.math.score_batch(responses, [str(a) for a in refs])
+            good = self.math.cfg.correct
+            return [r == good for r in rewards], rewards
+        rewards = self.code.score_batch(responses, refs)
+        return [r >= 1.0 for r in rewards], rewards
+
+
+def reference(d: dict, domain: str) -> tuple[Any, str | None]:
+    """(answer or tests, None) or (None, drop reason) for a record of a checked domain."""
+    if domain == "math":
+        a = d.get("answer")
+        if isinstance(a, bool) or not isinstance(a, (str, int, float)) or not str(a).strip():
+            return None, "no_answer"
+        return str(a), None
+    try:
+        return R._tests(d), None
+    except ValueError:
+        return None, "no_tests"
+
+
+CHECKED = ("math", "code")
+
+
+def _score_groups(scorers: Scorers, items: list[tuple[int, str, str, Any]]):
+    """items: (slot, domain, response, ref) -> {slot: [(correct, reward), ...]} (in order)."""
+    out: dict[int, list] = {}
+    for domain in CHECKED:
+        sel = [it for it in items if it[1] == domain]
+        ok, rewards = scorers.correct(domain, [it[2] for it in sel], [it[3] for it in sel])
+        for it, c, rw in zip(sel, ok, rewards):
+            out.setdefault(it[0], []).append((c, rw))
+    return out
+
+
+def label_step(scorers: Scorers, batch_size: int) -> Batched:
+    """Labels each teacher trace correct / incorrect (see the module docstring)."""
+
+    def decide_batch(batch: list[RawRecord]):
+        reasons: list[str | None] = [None] * len(batch)
+        items = []
+        for k, r in enumerate(batch):
+            dom = r.data.get("domain")
+            if dom not in CHECKED:
+                r.data["correct"] = None
+                step.counter.info["unlabelled"] += 1
+                continue
+            ref, why = reference(r.data, dom)
+            if why:
+                reasons[k] = why
+                continue
+            items.append((k, dom, response_text(r.data), ref))
+        scored = _score_groups(scorers, items)
+        for k, [(c, rw)] in scored.items():
+            batch[k].data["correct"], batch[k].data["label_reward"] = bool(c), float(rw)
+            step.counter.info["correct" if c else "incorrect"] += 1
+        return reasons
+
+    step = Batched("label", decide_batch, batch_size)
+    step.counter.info.update(correct=0, incorrect=0, unlabelled=0)
+    return step
+
+
+def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str,
+                   batch_size: int) -> Batched:
+    """Sets data['pass_rate'] from a record field or by scoring the record's samples."""
+
+    def from_field(r: RawRecord):
+        v = r.data.get(field)
+        if v is None:
+            return "no_pass_rate"
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise RecordError(r.path, r.line, f"field {field!r} must be a number in [0, 1], got {v!r}")
+        r.data["pass_rate"] = float(v)
+        return None
+
+    def decide_batch(batch: list[RawRecord]):
+        if source == "field":
+            return [from_field(r) for r in batch]
+        reasons: list[str | None] = [None] * len(batch)
+        items = []
+        for k, r in enumerate(batch):
+            dom, samples = r.data.get("domain"), r.data.get(samples_field)
+            if dom not in CHECKED:
+                reasons[k] = "unchecked_domain"
+                continue
+            if samples is None or (isinstance(samples, list) and not samples):
+                reasons[k] = "no_samples"
+                continue
+            if not isinstance(samples, list) or not all(isinstance(s, str) for s in samples):
+                raise RecordError(r.path, r.line, f"field {samples_field!r} must be a list of strings")
+            ref, why = reference(r.data, dom)
+            if why:
+                reasons[k] = why
+                continue
+            items.extend((k, dom, s, ref) for s in samples)
+        for k, res in _score_groups(scorers, items).items():
+            batch[k].data["pass_rate"] = sum(c for c, _ in res) / len(res)
+            batch[k].data["pass_samples"] = len(res)
+        return reasons
+
+    return Batched("pass_rate", decide_batch, batch_size)
+
+
+def retain_step(difficulty_source: str, field: str, hard_min: float, hard_max_pass_rate: float,
+                keep_incorrect_hard: bool, keep_incorrect_easy: bool) -> Filter:
+    """Difficulty-aware retention of incorrect traces (PAPER.md section 7).
+
+    Correct and unlabelled traces are kept. An incorrect one is kept when its problem is
+    hard and keep_incorrect_hard (or easy and keep_incorrect_easy). Hard: difficulty field
+    >= hard_min ("field"), or pass_rate <= hard_max_pass_rate ("pass_rate").
+    """
+
+    def hard(d: dict) -> bool | None:
+        if difficulty_source == "pass_rate":
+            p = d.get("pass_rate")
+            return None if p is None else p <= hard_max_pass_rate
+        v = d.get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return None
+        return v >= hard_min
+
+    def decide(r: RawRecord):
+        if r.data.get("correct") is not False:
+            return None
+        h = hard(r.data)
+        if h is None:
+            return "incorrect_unknown_difficulty"
+        if h:
+            return None if keep_incorrect_hard else "incorrect_hard"
+        return None if keep_incorrect_easy else "incorrect_easy"
+
+    return Filter("retain", decide)
+
+
+def min_tests_step(min_tests: int) -> Filter:
+    """Code problems need at least `min_tests` test cases (the paper: 16)."""
+
+    def decide(r: RawRecord):
+        if r.data.get("domain") != "code":
+            return None
+        tests, why = reference(r.data, "code")
+        if why:
+            return why
+        return None if len(tests["inputs"]) >= min_tests else "too_few_tests"
+
+    return Filter("min_tests", decide)
+
+
+def pass_band_step(lo: float, hi: float) -> Filter:
+    """RL prompt filter: keep lo <= pass_rate <= hi (too easy / too hard otherwise)."""
+
+    def decide(r: RawRecord):
+        p = r.data["pass_rate"]
+        if p < lo:
+            return "too_hard"
+        if p > hi:
+            return "too_easy"
+        return None
+
+    return Filter("pass_band", decide)
+
+
+def strip_fields(d: dict, fields: Sequence[str]) -> dict:
+    return {k: v for k, v in d.items() if k not in fields}
