@@ -315,6 +315,9 @@ def run(c) -> dict[str, Any]:
                 f.write(json.dumps(L.strip_fields(r.data, drop_fields), ensure_ascii=False) + "\n")
                 written += 1
     os.replace(jsonl + ".tmp", jsonl)
+    for st in steps:
+        if hasattr(st, "table"):
+            st.counter.info.update(unique_keys=st.table.size, table_bytes=st.table.nbytes)
     by_name = {cnt.name.split(":", 1)[1]: cnt.to_dict() for cnt in source_counters}
     report: dict[str, Any] = {
         "name": o.name, "kind": c.kind, "seed": c.seed, "curated_jsonl": jsonl, "written": written,
