@@ -47,6 +47,8 @@ def test_normalize_exact():
     assert S.normalize("$a+b=c$ \\frac{1}{2}") == "$a+b=c$ frac 1 2"  # symbols kept, P* -> space
     assert S.normalize("Hello,world") == "hello world"
     assert S.words("«Ünïcode» — test") == ["ünïcode", "test"]
+    ascii_all = "".join(chr(i) for i in range(32, 127))  # the ASCII fast path = the Unicode rule
+    assert S.words(ascii_all) == ascii_all.lower().translate(S._punct_table()).split()
 
 
 def test_hashset64_growth_duplicates_and_bound():

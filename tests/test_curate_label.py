@@ -100,3 +100,20 @@ def test_code_pass_rate_from_samples():
         scorers.close()
     assert [r.line for r in out] == [1] and out[0].data["pass_rate"] == pytest.approx(1 / 3)
     assert step.counter.dropped == {"no_tests": 1}
+
+
+def test_sft_retention_by_pass_rate_field_keeps_unrated_correct(tmp_path):
+    recs = [
+        {"prompt": "hard wrong", "response": think(5), "answer": "4", "pass_rate": 0.1},
+        {"prompt": "easy wrong", "response": think(6), "answer": "4", "pass_rate": 0.9},
+        {"prompt": "right, unrated", "response": think(4), "answer": "4"},
+        {"prompt": "wrong, unrated", "response": think(7), "answer": "4"},
+    ]
+    c = cfg(tmp_path, label=dict(enabled=True), pass_rate=dict(source="field"),
+            difficulty=dict(source="pass_rate", hard_max_pass_rate=0.25))
+    c.sources.m = C.source([write_jsonl(tmp_path / "m.jsonl", recs)], "math")
+    rep = C.run(c)
+    st = {s["step"]: s for s in rep["steps"]}
+    assert st["pass_rate"]["kept"] == 4 and st["pass_rate"]["info"] == {"unrated:no_pass_rate": 2}
+    assert st["retain"]["dropped"] == {"incorrect_easy": 1, "incorrect_unknown_difficulty": 1}
+    assert [r["prompt"] for r in read(rep)] == ["hard wrong", "right, unrated"]

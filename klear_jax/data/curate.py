@@ -254,7 +254,8 @@ def build_steps(c, scorers: L.Scorers) -> list:
         steps.append(L.label_step(scorers, c.label.batch_size))
     pr = c.pass_rate
     if pr.source != "none":
-        steps.append(L.pass_rate_step(scorers, pr.source, pr.field, pr.samples_field, pr.batch_size))
+        steps.append(L.pass_rate_step(scorers, pr.source, pr.field, pr.samples_field, pr.batch_size,
+                                      drop_unrated=kind != "sft"))
     if c.label.enabled:
         d, rt = c.difficulty, c.retain
         steps.append(L.retain_step(d.source, d.field, d.hard_min, d.hard_max_pass_rate,
@@ -310,11 +311,12 @@ def run(c) -> dict[str, Any]:
                             lb.code_max_tests, lb.code_slots)
         stack.callback(scorers.close)
         steps = build_steps(c, scorers)
+        stack.callback(lambda: os.path.exists(jsonl + ".tmp") and os.remove(jsonl + ".tmp"))
         with open(jsonl + ".tmp", "w", encoding="utf-8") as f:
             for r in S.compose(_records(selected, c, source_counters), steps):
                 f.write(json.dumps(L.strip_fields(r.data, drop_fields), ensure_ascii=False) + "\n")
                 written += 1
-    os.replace(jsonl + ".tmp", jsonl)
+        os.replace(jsonl + ".tmp", jsonl)
     for st in steps:
         if hasattr(st, "table"):
             st.counter.info.update(unique_keys=st.table.size, table_bytes=st.table.nbytes)

@@ -125,8 +125,13 @@ def label_step(scorers: Scorers, batch_size: int) -> Batched:
 
 
 def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str,
-                   batch_size: int) -> Batched:
-    """Sets data['pass_rate'] from a record field or by scoring the record's samples."""
+                   batch_size: int, drop_unrated: bool = True) -> Batched:
+    """Sets data['pass_rate'] from a record field or by scoring the record's samples.
+
+    A record that cannot be rated (no field / samples / answer / tests, or a domain without
+    a checker) is dropped for that reason, or with drop_unrated=False (SFT, where only
+    incorrect traces need a difficulty) kept without a pass rate and counted in info.
+    """
 
     def from_field(r: RawRecord):
         v = r.data.get(field)
@@ -138,6 +143,14 @@ def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str
         return None
 
     def decide_batch(batch: list[RawRecord]):
+        reasons = rate(batch)
+        if drop_unrated:
+            return reasons
+        for why in filter(None, reasons):
+            info[f"unrated:{why}"] = info.get(f"unrated:{why}", 0) + 1
+        return [None] * len(batch)
+
+    def rate(batch: list[RawRecord]):
         if source == "field":
             return [from_field(r) for r in batch]
         reasons: list[str | None] = [None] * len(batch)
@@ -162,7 +175,9 @@ def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str
             batch[k].data["pass_samples"] = len(res)
         return reasons
 
-    return Batched("pass_rate", decide_batch, batch_size)
+    step = Batched("pass_rate", decide_batch, batch_size)
+    info = step.counter.info
+    return step
 
 
 def retain_step(difficulty_source: str, field: str, hard_min: float, hard_max_pass_rate: float,
@@ -214,7 +229,9 @@ def pass_band_step(lo: float, hi: float) -> Filter:
     """RL prompt filter: keep lo <= pass_rate <= hi (too easy / too hard otherwise)."""
 
     def decide(r: RawRecord):
-        p = r.data["pass_rate"]
+        p = r.data.get("pass_rate")
+        if p is None:
+            return "no_pass_rate"
         if p < lo:
             return "too_hard"
         if p > hi:

@@ -40,9 +40,16 @@ def _punct_table() -> dict[int, str]:
             if unicodedata.category(chr(cp)).startswith("P")}
 
 
+_ASCII_PUNCT = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
+_ASCII_TABLE = bytes.maketrans(_ASCII_PUNCT, b" " * len(_ASCII_PUNCT))
+
+
 def words(text: str) -> list[str]:
     """Lowercased words with punctuation stripped (see the module docstring)."""
-    return text.lower().translate(_punct_table()).split()
+    t = text.lower()
+    if t.isascii():  # same rule through a byte table: several times faster than str.translate
+        return t.encode("ascii").translate(_ASCII_TABLE).decode("ascii").split()
+    return t.translate(_punct_table()).split()
 
 
 def normalize(text: str) -> str:
