@@ -202,7 +202,6 @@ def test_agg_gradient_weights(agg):
                                rtol=1e-5, atol=1e-7)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "agg", "splits"))
 def _split_vs_whole(logp, old, adv, mask, ref, ent, kind, agg, splits):
     kw = dict(kind=kind, agg=agg, norm_length=10.0, dual_clip=3.0, beta1=0.5, ref_logp=ref,
               kl_coef=0.1, entropy=ent, entropy_coef=0.01)
@@ -214,6 +213,7 @@ def _split_vs_whole(logp, old, adv, mask, ref, ent, kind, agg, splits):
     (lw, sw), gw = jax.value_and_grad(whole, has_aux=True)(logp)
     bounds = np.cumsum((0,) + splits)
     sl = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    # eager on purpose: 24 kind x agg compilations cost far more than running tiny ops
     denom = sum(L.agg_denominator(mask[s], agg, 10.0) for s in sl)  # known before the pass
 
     def micro(lp, s):
@@ -236,12 +236,12 @@ def test_micro_batch_split_is_exact(kind, agg):
     rng = np.random.default_rng(3)
     ref = old + jnp.asarray(rng.normal(0, 0.3, old.shape), jnp.float32)
     ent = jnp.asarray(rng.uniform(0, 2, old.shape), jnp.float32)
-    for splits in ((2, 2, 2), (1, 5)):
-        lw, gw, sw, lm, gm, sm = _split_vs_whole(logp, old, adv, mask, ref, ent, kind, agg, splits)
-        np.testing.assert_allclose(lm, lw, rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(gm, gw, rtol=1e-5, atol=1e-8)
-        for k in sw:
-            np.testing.assert_allclose(sm[k], sw[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # the empty row 1 sits in the first micro-batch
+    lw, gw, sw, lm, gm, sm = _split_vs_whole(logp, old, adv, mask, ref, ent, kind, agg, (3, 3))
+    np.testing.assert_allclose(lm, lw, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(gm, gw, rtol=1e-5, atol=1e-8)
+    for k in sw:
+        np.testing.assert_allclose(sm[k], sw[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_scan_accumulation_pattern():
@@ -338,18 +338,20 @@ def test_bad_inputs_raise():
 
 
 # ----------------------------------------------------------------------------- properties
-@functools.partial(jax.jit, static_argnames=("agg", "dual"))
-def _all_kinds(logp, old, adv, mask, agg, dual):
+@jax.jit
+def _all_kinds(logp, old, adv, mask):
+    """Every kind x agg in one compiled function (one compilation per shape)."""
     out = {}
     for kind in KINDS:
-        f = lambda lp: L.policy_loss(lp, old, adv, mask, kind=kind, agg=agg, norm_length=7.0,
-                                     dual_clip=dual, beta1=0.25)
-        (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(logp)
-        out[kind] = (loss, g, metrics)
+        for agg in AGGS:
+            f = lambda lp: L.policy_loss(lp, old, adv, mask, kind=kind, agg=agg, norm_length=7.0,
+                                         dual_clip=10.0, beta1=0.25)
+            (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(logp)
+            out[kind, agg] = (loss, g, metrics)
     return out
 
 
-_SHAPES = [(1, 1), (2, 5), (5, 3)]
+_SHAPES = [(1, 1), (3, 5)]
 _extreme = st.one_of(st.floats(-1e4, 1e4, width=32), st.sampled_from([0.0, 30.0, -30.0, 1e30, -1e30]))
 
 
@@ -367,10 +369,10 @@ def _batches(draw):
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_batches(), st.sampled_from(AGGS), st.sampled_from([None, 10.0]))
-def test_property_finite_and_masked_zero(batch, agg, dual):
+@given(_batches())
+def test_property_finite_and_masked_zero(batch):
     logp, old, adv, mask = batch
-    out = _all_kinds(*(jnp.asarray(x) for x in batch), agg, dual)
+    out = _all_kinds(*(jnp.asarray(x) for x in batch))
     for kind, (loss, g, metrics) in out.items():
         assert np.isfinite(float(loss)), kind
         g = np.asarray(g)
