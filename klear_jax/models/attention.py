@@ -59,7 +59,9 @@ def attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
         from klear_jax.models.splash import splash_attention  # lazy: Pallas import is heavy
         if scale is not None and scale != q.shape[-1] ** -0.5:
             raise ValueError("splash attention only supports the default 1/sqrt(head_dim) scale")
-        return splash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+        # The TPU kernel only runs on CPU in Pallas interpret mode (tests, AOT checks).
+        return splash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                                interpret=jax.default_backend() == "cpu")
     raise ValueError(f"attention impl {impl!r} unknown (xla, splash)")
 
 

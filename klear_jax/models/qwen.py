@@ -314,13 +314,14 @@ def param_shardings(model_or_state, mesh):
 
 
 def create_model(cfg: ModelConfig, rngs: nnx.Rngs | None = None, seed: int = 0, mesh=None) -> Qwen:
-    """A randomly initialised model; with ``mesh`` every parameter is created in its sharded
-    place (no host copy of the full model)."""
-    if mesh is None:
-        return Qwen(cfg, rngs=rngs or nnx.Rngs(seed))
+    """A randomly initialised model, initialised under jit from ``seed`` (or eagerly from
+    ``rngs`` when given without a mesh); with ``mesh`` every parameter is created in its
+    sharded place (no host copy of the full model)."""
+    if rngs is not None and mesh is None:
+        return Qwen(cfg, rngs=rngs)
     abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(seed)))
     graphdef, abs_state = nnx.split(abstract)
-    out_sh = param_shardings(abs_state, mesh)
+    out_sh = param_shardings(abs_state, mesh) if mesh is not None else None
 
     @functools.partial(jax.jit, out_shardings=out_sh)
     def init():
