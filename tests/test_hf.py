@@ -202,6 +202,16 @@ def test_misshapen_tensor_named(hf_models, tmp_path):
         from_hf(bad)
 
 
+def test_unexpected_tensor_named(hf_models, tmp_path):
+    d, _ = hf_models["qwen3_gqa_untied"]
+
+    def add_bias(t):
+        t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(96, np.float32)
+    bad = _copy_dir(d, tmp_path / "m", add_bias)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias"):
+        from_hf(bad)
+
+
 def test_unsupported_model_type_and_dtype(hf_models, tmp_path):
     d, _ = hf_models["qwen2_tied"]
     bad = _copy_dir(d, tmp_path / "m", mutate_config=lambda c: c.update(model_type="llama"))

@@ -99,6 +99,13 @@ def from_hf(hf_dir: str, dtype: str = "float32", param_dtype: str | None = None,
             flat_sh[_path_str(path)] = v.get_value()
     specs = {p: (n, kind, shp) for p, n, kind, shp in _leaf_specs(cfg)}
     wmap = _weight_map(hf_dir)
+    expected = {n for name, _, _ in specs.values() for n in _hf_names(cfg, name)}
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(k for k in wmap if k not in expected and k not in ignorable
+                        and not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:  # e.g. qkv biases in a checkpoint whose config says qwen3
+        raise ValueError(f"{hf_dir}: tensor(s) not used by a {cfg.model_type} model with this "
+                         f"config: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     pdt = np.dtype(cfg.jnp_param_dtype)
 
     with contextlib.ExitStack() as stack:

@@ -267,7 +267,8 @@ class Qwen(nnx.Module):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     """Empty KV cache: k, v [L, B, S, K, hd]; positions, segment_ids int32 [B, S] (0 = empty
     slot); index int32 scalar (next slot to write; all rows share it, so prompts are
-    left-padded)."""
+    left-padded). ``max_len`` must cover prompt + generated tokens: a write past the end is
+    clamped by dynamic_update_slice (overwrites the last slots), so size it up front."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
