@@ -1,0 +1,355 @@
+"""Batched autoregressive sampling with a KV cache, on the training mesh and parameters.
+
+Usage (the RL loop and the eval command call exactly this)::
+
+    from klear_jax.sampler import Sampler, SamplingParams, SampleOutput
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                            max_new_tokens=256, stop_token_ids=(eos,), n=1)
+    sampler = Sampler(graphdef, mesh=None, pad_id=0, max_prompt_len=512, cache_dtype=None)
+    out = sampler.generate(state, prompts, params, seed)      # prompts: list[list[int]]
+    texts = sampler.decode_text(out, tokenizer, stop_strings=("</answer>",))
+    out = sampler.apply_stop_strings(out, tokenizer, ("</answer>",))  # token-level cut
+
+``state`` is the trainer's own parameter State (``graphdef, state = nnx.split(model)``); it is
+passed into the jitted functions as an argument, so nothing is copied and the parameter
+shardings are the trainer's. Each call runs two jitted functions: ``prefill`` (the left-padded
+prompts [Bp, P] through the model into a fresh KV cache [L, B, P + M, K, hd] sharded by
+``cache_shardings``, the cache repeated n times per prompt, first token sampled) and ``decode``
+(a ``lax.while_loop`` of one-token steps that exits as soon as every row has stopped).
+Prompt lengths are bucketed to powers of two (``bucket_length``) and prompt rows padded to a
+multiple of the mesh's batch size (data x fsdp), so each (rows, bucket, max_new_tokens,
+static sampling flags) compiles once; jax.jit caches the executables.
+
+SampleOutput (numpy; N = len(prompts) * n, row i*n + j is sample j of prompt i)::
+
+    tokens        int32 [N, M]  response tokens, pad_id after the stop token
+    logprobs      float32 [N, M] log softmax(logits / T)[token]: the log-probability of each
+                  sampled token under the model's temperature-scaled distribution, computed
+                  from the raw logits BEFORE repetition penalty, top-k and top-p (T = 1 when
+                  greedy); 0 after the stop token. This is exactly what the trainer recomputes
+                  with ``chunked_token_logprobs(..., temperature=T)``, so the RL loop can use
+                  it as the old/behaviour log-prob. With top-k/top-p/penalty active the actual
+                  sampling distribution is the truncated one; these values do not describe it.
+    lengths       int32 [N]     response length including the stop token
+    truncated     bool [N]      reached max_new_tokens without a stop token
+    prompt_index  int32 [N]     which prompt each row answers
+    prompt_tokens int32 [N, P]  the prompt, left-padded with pad_id to the bucket P
+    prompt_lengths int32 [N]
+    stop_string_hit bool [N]    set by ``apply_stop_strings``
+
+Randomness: each row's key is fold_in(key(seed), crc32(prompt), occurrence, sample j), and
+each step folds in the step index, so a row's samples depend on the seed, its prompt and j,
+not on its position in the batch or on the other prompts (up to float rounding differences
+between batch shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from klear_jax import sharding as shd
+from klear_jax import sampling_utils as su
+from klear_jax.models.qwen import cache_shardings, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 (<= 1e-5) means greedy; top_k 0 and top_p 1.0 switch those filters off;
+    repetition_penalty 1.0 is off (HF semantics over prompt + generated tokens)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+             "an int >= 1"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1"),
+        ]
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {what}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= su.GREEDY_TEMPERATURE
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """See the module docstring for the fields' meaning."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    truncated: np.ndarray
+    prompt_index: np.ndarray
+    prompt_tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    stop_string_hit: np.ndarray | None = None
+
+    def sequences(self, pad_id: int = 0) -> dict[str, np.ndarray]:
+        """Prompt + response as one left-padded row each, for the trainer's recomputation.
+
+        Returns input_ids int32 [N, P + M] (concat of prompt_tokens and tokens), segment_ids
+        int32 [N, P + M] (1 on prompt and response tokens up to ``lengths``, else 0),
+        response_mask float32 [N, P + M] (1 on response tokens up to ``lengths``) and
+        old_logprobs float32 [N, P + M] (the sampler's logprob at each response token's own
+        position; a model predicts position t from t - 1, so shift targets by one).
+        """
+        N, P = self.prompt_tokens.shape
+        M = self.tokens.shape[1]
+        resp = np.arange(M)[None, :] < self.lengths[:, None]
+        prompt_real = np.arange(P)[None, :] >= (P - self.prompt_lengths[:, None])
+        tokens = np.where(resp, self.tokens, pad_id)
+        return {
+            "input_ids": np.concatenate([self.prompt_tokens, tokens], 1).astype(np.int32),
+            "segment_ids": np.concatenate([prompt_real, resp], 1).astype(np.int32),
+            "response_mask": np.concatenate([np.zeros((N, P), bool), resp], 1).astype(np.float32),
+            "old_logprobs": np.concatenate([np.zeros((N, P), np.float32),
+                                            np.where(resp, self.logprobs, 0.0)], 1),
+        }
+
+
+def _to_host(x) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the compiled functions specialise on besides array shapes."""
+
+    max_new_tokens: int
+    n: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_penalty: bool
+
+
+class Sampler:
+    """Prefill + while_loop decode for a Qwen graphdef. See the module docstring."""
+
+    def __init__(self, graphdef, mesh=None, pad_id: int = 0, max_prompt_len: int = 512,
+                 cache_dtype=None):
+        if max_prompt_len < 1:
+            raise ValueError(f"Sampler: max_prompt_len must be >= 1, got {max_prompt_len}")
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.pad_id = int(pad_id)
+        self.max_prompt_len = int(max_prompt_len)
+        self.cache_dtype = cache_dtype
+        self._fns: dict[_Static, tuple] = {}
+        self.compiled_shapes: set[tuple] = set()  # (static, rows, prompt bucket) seen so far
+
+    # ----------------------------------------------------------------- sharding helpers
+    @property
+    def batch_multiple(self) -> int:
+        if self.mesh is None:
+            return 1
+        return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+
+    def _put(self, x, names):
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, shd.named_sharding(self.mesh, names, x.shape))
+
+    def _constrain_cache(self, cache):
+        if self.mesh is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.mesh))
+
+    # ----------------------------------------------------------------- traced functions
+    def _sample(self, st: _Static, raw, presence, keys, temperature, top_p, penalty):
+        """raw float32 [B, V] -> (tokens int32 [B], logprobs float32 [B])."""
+        logits = raw
+        if st.use_penalty:
+            logits = su.apply_repetition_penalty(logits, presence, penalty)
+        t = jnp.float32(1.0) if st.greedy else temperature
+        if not st.greedy:
+            logits = logits / t
+        tok = su.choose_tokens(logits, keys, greedy=st.greedy, top_k=st.top_k,
+                               use_top_p=st.use_top_p, top_p=top_p)
+        return tok, su.sampled_logprob(raw, tok, t)
+
+    def _prefill(self, st: _Static, state, ids, seg, valid, phash, sid, seed, temperature,
+                 top_p, penalty, stop_ids):
+        model = nnx.merge(self.graphdef, state)
+        cfg = model.config
+        Bp, P = ids.shape
+        M, n = st.max_new_tokens, st.n
+        cache = self._constrain_cache(init_cache(cfg, Bp, P + M, self.cache_dtype))
+        h, cache = model.hidden_states(ids, segment_ids=seg, cache=cache)
+        raw = model.logits(h[:, -1:])[:, 0]  # [Bp, V]; left padding: last slot is real
+        V = raw.shape[-1]
+        presence = None
+        if st.use_penalty:
+            presence = jnp.zeros((Bp, V), jnp.int32).at[
+                jnp.arange(Bp)[:, None], ids].max(seg) > 0
+        if n > 1:
+            rep = lambda x, axis: jnp.repeat(x, n, axis=axis)
+            cache = {"k": rep(cache["k"], 1), "v": rep(cache["v"], 1),
+                     "positions": rep(cache["positions"], 0),
+                     "segment_ids": rep(cache["segment_ids"], 0), "index": cache["index"]}
+            raw = rep(raw, 0)
+            presence = None if presence is None else rep(presence, 0)
+        cache = self._constrain_cache(cache)
+        B = Bp * n
+        keys = su.row_keys(seed, phash, sid)
+        tok, lp = self._sample(st, raw, presence, su.step_keys(keys, 0), temperature, top_p,
+                               penalty)
+        stop = su.is_stop(tok, stop_ids)
+        valid = jnp.repeat(valid, n) if n > 1 else valid
+        tokens = jnp.full((B, M), self.pad_id, jnp.int32).at[:, 0].set(
+            jnp.where(valid, tok, self.pad_id))
+        logprobs = jnp.zeros((B, M), jnp.float32).at[:, 0].set(jnp.where(valid, lp, 0.0))
+        if presence is not None:
+            presence = presence.at[jnp.arange(B), tok].set(True)
+        return {"step": jnp.int32(1), "cache": cache, "tokens": tokens, "logprobs": logprobs,
+                "done": stop | ~valid, "lengths": jnp.where(stop, 1, M).astype(jnp.int32),
+                "last": tok, "presence": presence}
+
+    def _decode(self, st: _Static, state, carry, phash, sid, seed, temperature, top_p, penalty,
+                stop_ids):
+        model = nnx.merge(self.graphdef, state)
+        M = st.max_new_tokens
+        keys = su.row_keys(seed, phash, sid)
+
+        def cond(c):
+            return (c["step"] < M) & ~jnp.all(c["done"])
+
+        def body(c):
+            i = c["step"]
+            last = c["last"][:, None]
+            h, cache = model.hidden_states(last, segment_ids=jnp.ones_like(last),
+                                           cache=c["cache"])
+            raw = model.logits(h)[:, 0]
+            tok, lp = self._sample(st, raw, c["presence"], su.step_keys(keys, i), temperature,
+                                   top_p, penalty)
+            live = ~c["done"]
+            stop = live & su.is_stop(tok, stop_ids)
+            presence = c["presence"]
+            if presence is not None:
+                presence = presence.at[jnp.arange(tok.shape[0]), tok].set(True)
+            return {"step": i + 1, "cache": cache,
+                    "tokens": c["tokens"].at[:, i].set(jnp.where(live, tok, self.pad_id)),
+                    "logprobs": c["logprobs"].at[:, i].set(jnp.where(live, lp, 0.0)),
+                    "done": c["done"] | stop, "lengths": jnp.where(stop, i + 1, c["lengths"]),
+                    "last": tok, "presence": presence}
+
+        # The whole final carry is returned (the caller keeps what it needs) so that every
+        # donated input buffer, the KV cache above all, aliases the loop's: no second copy.
+        return jax.lax.while_loop(cond, body, carry)
+
+    def _functions(self, st: _Static):
+        if st not in self._fns:
+            prefill = jax.jit(lambda *a: self._prefill(st, *a))
+            # The carry (holding the KV cache) is donated: decode updates it in place.
+            decode = jax.jit(lambda *a: self._decode(st, *a), donate_argnums=(1,))
+            self._fns[st] = (prefill, decode)
+        return self._fns[st]
+
+    # ----------------------------------------------------------------- public API
+    def generate(self, state, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 seed: int) -> SampleOutput:
+        """Samples ``params.n`` responses per prompt. See the module docstring."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Sampler.generate: params must be SamplingParams, got {type(params)}")
+        cfg = nnx.merge(self.graphdef, state).config
+        prompts = su.validate_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
+        for t in params.stop_token_ids:
+            if not 0 <= t < cfg.vocab_size:
+                raise ValueError(f"SamplingParams.stop_token_ids: {t} outside [0, {cfg.vocab_size})")
+        st = _Static(max_new_tokens=params.max_new_tokens, n=params.n, greedy=params.greedy,
+                     top_k=0 if params.greedy else params.top_k,
+                     use_top_p=not params.greedy and params.top_p < 1.0,
+                     use_penalty=params.repetition_penalty != 1.0)
+        n, npr = params.n, len(prompts)
+        m = self.batch_multiple
+        Bp = -(-npr // m) * m
+        P = su.bucket_length(max(len(p) for p in prompts), self.max_prompt_len)
+        ids, seg = su.left_pad(prompts, Bp, P, self.pad_id)
+        valid = np.arange(Bp) < npr
+        h, occ = su.prompt_hashes(prompts)
+        h = np.concatenate([h, np.zeros(Bp - npr, np.int32)])
+        occ = np.concatenate([occ, np.zeros(Bp - npr, np.int32)])
+        phash = np.repeat(h, n)
+        sid = (np.repeat(occ, n) * n + np.tile(np.arange(n), Bp)).astype(np.int32)
+
+        row2 = ("act_batch", None)
+        row = ("act_batch",)
+        scal = dict(seed=jnp.asarray(int(seed) % 2**32, jnp.uint32),
+                    temperature=jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
+                    top_p=jnp.float32(params.top_p), penalty=jnp.float32(params.repetition_penalty),
+                    stop_ids=jnp.asarray(params.stop_token_ids, jnp.int32).reshape(-1))
+        prefill, decode = self._functions(st)
+        self.compiled_shapes.add((st, Bp * n, P))
+        ctx = shd.use_mesh(self.mesh) if self.mesh is not None else _nullctx()
+        with ctx:
+            args_p = (self._put(ids, row2), self._put(seg, row2), self._put(valid, row))
+            args_k = (self._put(phash, row), self._put(sid, row))
+            carry = prefill(state, *args_p, *args_k, *scal.values())
+            final = decode(state, carry, *args_k, *scal.values())
+            del carry
+        tokens, logprobs, lengths, done = (final[k] for k in ("tokens", "logprobs", "lengths", "done"))
+        del final
+        N = npr * n
+        tokens, logprobs, lengths = (_to_host(x)[:N] for x in (tokens, logprobs, lengths))
+        stopped = _to_host(done)[:N]  # valid rows are done only via a stop token
+        prompt_index = np.repeat(np.arange(npr, dtype=np.int32), n)
+        return SampleOutput(
+            tokens=tokens.astype(np.int32), logprobs=logprobs.astype(np.float32),
+            lengths=lengths.astype(np.int32), truncated=~stopped, prompt_index=prompt_index,
+            prompt_tokens=np.repeat(ids[:npr], n, axis=0),
+            prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), n),
+            stop_string_hit=np.zeros(N, bool))
+
+    @staticmethod
+    def decode_text(out: SampleOutput, tokenizer, stop_strings: Sequence[str] = (),
+                    skip_special_tokens: bool = True) -> list[str]:
+        """Response strings (cut after the earliest stop string, which is kept)."""
+        return su.decode_text(out, tokenizer, stop_strings, skip_special_tokens)
+
+    def apply_stop_strings(self, out: SampleOutput, tokenizer,
+                           stop_strings: Sequence[str]) -> SampleOutput:
+        """Cuts each response after the first token whose decoded prefix contains a stop
+        string: tokens after it become pad_id, logprobs 0, lengths shrink, truncated is
+        cleared and stop_string_hit set for those rows. Returns a new SampleOutput."""
+        cut = su.stop_string_lengths(out, tokenizer, stop_strings) if stop_strings else \
+            np.full(out.tokens.shape[0], -1, np.int32)
+        hit = cut >= 0
+        lengths = np.where(hit, cut, out.lengths).astype(np.int32)
+        keep = np.arange(out.tokens.shape[1])[None, :] < lengths[:, None]
+        return dataclasses.replace(
+            out, tokens=np.where(keep, out.tokens, self.pad_id).astype(np.int32),
+            logprobs=np.where(keep, out.logprobs, 0.0).astype(np.float32), lengths=lengths,
+            truncated=out.truncated & ~hit,
+            stop_string_hit=hit | (out.stop_string_hit if out.stop_string_hit is not None
+                                   else False))
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
