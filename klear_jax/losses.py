@@ -149,6 +149,7 @@ def _pg(ctx: _Ctx) -> TokenTerms:
     return TokenTerms(-(sg(r_val) * ctx.unit * ctx.adv), r_val, none, none)
 
 
+# name -> per-token kind function; policy_loss(kind=name) selects from it.
 POLICY_LOSSES: dict[str, Callable[[_Ctx], TokenTerms]] = {
     "gppo": _gppo, "gppo_high": _gppo_high, "clip": _clip,
     "cispo": _cispo, "gspo": _gspo, "pg": _pg,
@@ -283,7 +284,9 @@ def policy_loss_terms(logp, old_logp, advantages, mask, kind: str = "gppo", eps_
     + kl_coef * KL_est(logp, ref_logp [B, T]) (kl_type k1/k2/k3) - entropy_coef * entropy [B, T].
     Metric sums (token sums unless noted): tokens, clipfrac_low, clipfrac_high,
     dual_clipfrac (if dual_clip), ratio_mean, ratio_min/ratio_max (min/max),
-    approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) - log r), kl_ref, entropy.
+    approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) - log r), kl_ref, entropy, and
+    pg_loss (policy part alone, summed under agg: finalised with the loss's denominator).
+    Combine with combine_metric_sums / reduce_metric_sums, finish with finalize_metrics.
     """
     if kind not in POLICY_LOSSES:
         raise ValueError(f"losses: unknown policy loss kind {kind!r}; allowed: "
