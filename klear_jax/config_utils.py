@@ -57,6 +57,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from typing import Any, Sequence
 
 import ml_collections
@@ -190,7 +191,8 @@ def validate_model(c, key: str = "model", architecture: bool = True) -> None:
         pass
     except ValueError as e:  # ModelConfig.<field>: ... -> name the config key
         msg = str(e)
-        field = msg.split(":")[0].replace("ModelConfig.", "") if msg.startswith("ModelConfig.") else ""
+        found = re.match(r"ModelConfig\.(\w+)", msg)
+        field = found.group(1) if found else ""
         raise ConfigError(f"{key}.{field}" if field else key, msg) from None
 
 
