@@ -2,7 +2,7 @@
 
 Layers run under lax.scan, so compiling 16 layers should cost about the same as 2.
 
-    JAX_PLATFORMS=cpu python benchmarks/compile_depth.py --layers 2 16 --out compile_depth.json
+    JAX_PLATFORMS=cpu python benchmarks/compile_depth.py --layers 2 16 --unrolled --out x.json
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from flax import nnx  # noqa: E402
 from klear_jax.models import ModelConfig, Qwen  # noqa: E402
 
 
-def measure(num_layers: int, remat: str, batch: int, length: int) -> dict:
+def measure(num_layers: int, remat: str, batch: int, length: int, scan: bool = True) -> dict:
     cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
                       num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=64,
-                      remat_policy=remat)
+                      remat_policy=remat, scan_layers=scan)
     abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
@@ -42,7 +42,7 @@ def measure(num_layers: int, remat: str, batch: int, length: int) -> dict:
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    return {"num_layers": num_layers, "remat_policy": remat, "lower_s": round(t1 - t0, 3),
+    return {"num_layers": num_layers, "scan_layers": scan, "remat_policy": remat, "lower_s": round(t1 - t0, 3),
             "compile_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3)}
 
 
@@ -52,12 +52,17 @@ def main():
     p.add_argument("--remat", default="full")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--length", type=int, default=128)
+    p.add_argument("--unrolled", action="store_true",
+                   help="also measure the unrolled layer loop (scan_layers=False) for contrast")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     measure(2, args.remat, args.batch, args.length)  # warm-up: imports, first-use caches
     rows = [measure(n, args.remat, args.batch, args.length) for n in args.layers]
+    if args.unrolled:
+        rows += [measure(n, args.remat, args.batch, args.length, scan=False) for n in args.layers]
     for r in rows:
-        print(f"layers={r['num_layers']:3d} remat={r['remat_policy']}: lower {r['lower_s']:.2f}s "
+        mode = "scan    " if r["scan_layers"] else "unrolled"
+        print(f"{mode} layers={r['num_layers']:3d} remat={r['remat_policy']}: lower {r['lower_s']:.2f}s "
               f"compile {r['compile_s']:.2f}s total {r['total_s']:.2f}s")
     result = {"backend": jax.default_backend(), "batch": args.batch, "length": args.length,
               "results": rows}

@@ -117,11 +117,20 @@ def test_remat_policies_same_loss_and_grads(model):
 
     vg = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     ref_l, ref_g = vg(state, "none")
+    for path, g in jax.tree_util.tree_flatten_with_path(ref_g)[0]:  # every param gets a gradient
+        assert float(jnp.abs(g).max()) > 0, jax.tree_util.keystr(path)
     for policy in ("full",):
         l, g = vg(state, policy)
         np.testing.assert_allclose(float(l), float(ref_l), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_unrolled_layers_equal_scan(model):
+    ids = _ids(2, 9, seed=9)
+    unrolled = with_config(model, CFG.replace(scan_layers=False))
+    np.testing.assert_allclose(np.asarray(fwd(unrolled, ids)), np.asarray(fwd(model, ids)),
+                               atol=1e-6)
 
 
 def test_token_logprobs_match_log_softmax(model):

@@ -54,6 +54,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat_policy: str = "none"
+    scan_layers: bool = True  # False unrolls the layer loop (compile time grows with depth)
     attention_impl: str = "xla"
     logprob_chunk_size: int = 512
     model_type: str = "qwen3"

@@ -233,7 +233,14 @@ class Qwen(nnx.Module):
         policy = cfg.remat_policy
         if policy != "none":
             body = jax.checkpoint(body, policy=remat_policy(policy), prevent_cse=False)
-        x, kvs = jax.lax.scan(body, x, xs)
+        if cfg.scan_layers:
+            x, kvs = jax.lax.scan(body, x, xs)
+        else:  # unrolled: compile time grows with depth (kept for comparison / debugging)
+            ys = []
+            for i in range(cfg.num_layers):
+                x, y = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
+                ys.append(y)
+            kvs = jax.tree.map(lambda *a: jnp.stack(a), *ys) if cache is not None else None
         h = self.final_norm(x)
         new_cache = None
         if cache is not None:
