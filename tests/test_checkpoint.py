@@ -1,0 +1,124 @@
+"""Orbax checkpoints: full state round trip, restore onto other meshes, params alone,
+retention, and atomicity when a process is killed mid-save."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from klear_jax import checkpoint as ck, optim, sharding as shd, train_step as ts
+from klear_jax.models import ModelConfig, create_model
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=4, head_dim=8, logprob_chunk_size=16)
+OPT, _ = optim.make_optimizer(dict(lr=1e-3, end_lr=1e-4, schedule="cosine", warmup_steps=0,
+                                   decay_steps=0, b1=0.9, b2=0.999, eps=1e-8,
+                                   weight_decay=0.1, clip_norm=1.0, mu_dtype=""), 10)
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_tree_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, host(a), host(b))
+
+
+def target_state(mesh, like):
+    """Abstract TrainState with shardings for ``mesh`` (built from the model config only)."""
+    _, abstract_params = ck.abstract_model(CFG, mesh)
+    p_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
+    return ck.abstract_like(like, ts.state_shardings(p_sh, OPT, abstract_params, mesh))
+
+
+def test_full_state_restores_onto_other_meshes(tmp_path):
+    mesh8 = shd.make_mesh(fsdp=8)
+    model = create_model(CFG, seed=3, mesh=mesh8)
+    _, state, _ = ts.init_train_state(model, OPT, mesh8)
+    # make the optimizer state non-trivial
+    state = state.replace(opt_state=jax.tree.map(lambda x: x + 1 if x.ndim else x, state.opt_state),
+                          step=state.step + 7, skipped=state.skipped + 2)
+    emb = state.params["embed"]["embedding"]
+    assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")  # tensor axis = 1
+    c = ck.TrainCheckpointer(tmp_path, keep=2, async_save=True)
+    c.save(state, data_iter={"pos": 5, "epoch": [1, 2]}, rng=jax.random.key(11),
+           config={"lr": 1e-3}, model_config=CFG)
+    c.close()
+
+    mesh4 = shd.make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4])
+    mesh1 = shd.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    for mesh in (mesh4, mesh1):
+        r = ck.TrainCheckpointer(tmp_path)
+        got, data_state, rng = r.restore(target_state(mesh, state), with_rng=True)
+        r.close()
+        assert int(got.step) == 7 and int(got.skipped) == 2
+        assert data_state == {"pos": 5, "epoch": [1, 2]}
+        assert jax.random.key_data(rng).tolist() == jax.random.key_data(jax.random.key(11)).tolist()
+        assert_tree_equal(got.params, state.params)
+        assert_tree_equal(got.opt_state, state.opt_state)
+        leaf = got.params["layers"]["mlp"]["up_proj"]["kernel"]
+        assert leaf.sharding.mesh.shape == mesh.shape
+        if mesh is mesh4:
+            assert leaf.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+    # parameters alone, from the training checkpoint, for eval / convert
+    for mesh in (mesh4, None):
+        m = ck.restore_params(tmp_path, mesh=mesh)  # a workdir: finds checkpoints/
+        assert m.config == CFG
+        assert_tree_equal(ts.split_model(m)[1], state.params)
+
+
+def test_save_params_alone_and_retention(tmp_path):
+    model = create_model(CFG, seed=1)
+    ck.save_params(tmp_path / "p", model, step=4)
+    m = ck.restore_params(tmp_path / "p", mesh=shd.make_mesh(fsdp=8), dtype="bfloat16")
+    assert m.config.dtype == "bfloat16"  # runtime field overridden, shapes from the checkpoint
+    assert_tree_equal(ts.split_model(m)[1], ts.split_model(model)[1])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ck.restore_params(tmp_path / "empty")
+
+    _, state, _ = ts.init_train_state(model, OPT, shd.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+    c = ck.TrainCheckpointer(tmp_path / "w", keep=2, async_save=True)
+    for s in (1, 2, 3):
+        c.save(state.replace(step=state.step * 0 + s))
+    c.close()
+    assert sorted(ck.TrainCheckpointer(tmp_path / "w").mngr.all_steps()) == [2, 3]
+
+
+CHILD = textwrap.dedent("""
+    import sys, numpy as np, orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager(sys.argv[1], options=ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=False))
+    small = {"w": np.arange(10, dtype=np.float32)}
+    mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(small)))
+    mngr.wait_until_finished()
+    big = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(600)}
+    print("saving", flush=True)
+    mngr.save(2, args=ocp.args.Composite(params=ocp.args.StandardSave(big)))
+    mngr.wait_until_finished()
+    print("done", flush=True)
+""")
+
+
+def test_killed_mid_save_leaves_previous_restorable(tmp_path):
+    d = tmp_path / "ck"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(d)], stdout=subprocess.PIPE,
+                         text=True, env=env)
+    assert p.stdout.readline().strip() == "saving"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    leftovers = [x.name for x in d.iterdir()]
+    assert "2" not in leftovers, f"save finished before the kill: {leftovers}"
+    mngr = ck._manager(d)  # as TrainCheckpointer opens it: cleans up the partial tmp dir
+    assert mngr.latest_step() == 1
+    got = mngr.restore(1, args=ck.ocp.args.Composite(
+        params=ck.ocp.args.StandardRestore({"w": np.zeros(10, np.float32)})))
+    np.testing.assert_array_equal(got["params"]["w"], np.arange(10, dtype=np.float32))
+    mngr.close()
