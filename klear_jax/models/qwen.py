@@ -98,10 +98,11 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl
 
     def __call__(self, x, cos, sin, q_pos, q_seg, kv):
-        """x [B, T, D] -> ([B, T, D], (k, v) [B, S, K, hd] as written to the cache or fresh).
+        """x [B, T, D] -> ([B, T, D], updated (cache_k, cache_v) or None).
 
-        ``kv`` is None (attend within x) or (cache_k, cache_v, kv_pos, kv_seg, index) for
-        one layer: the new k/v are written at slots [index, index + T).
+        ``kv`` is None (attend within x) or (cache_k, cache_v, layer, kv_pos, kv_seg, index):
+        the whole stacked cache [L, B, S, K, hd]; this layer's new k/v are written at
+        [layer, :, index:index + T] (in place under donation) and attention reads that layer.
         """
         q = self.q_proj(x, "btd,dhk->bthk")
         k = self.k_proj(x, "btd,dhk->bthk")
@@ -114,17 +115,21 @@ class Attention(nnx.Module):
         v = shd.constrain(v, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
         if kv is None:
             out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl)
+            new_cache = None
         else:
-            ck, cv, kv_pos, kv_seg, index = kv
+            ck, cv, layer, kv_pos, kv_seg, index = kv
             zero = jnp.zeros((), jnp.int32)
-            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, index, zero, zero))
-            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, index, zero, zero))
-            names = ("cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
-            k, v = shd.constrain(k, names), shd.constrain(v, names)
-            out = attention(q, k.astype(q.dtype), v.astype(q.dtype), q_pos, kv_pos, q_seg, kv_seg,
-                            impl="xla")
+            start = (layer, zero, index, zero, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
+            names = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
+            ck, cv = shd.constrain(ck, names), shd.constrain(cv, names)
+            k_l = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)
+            v_l = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(q.dtype)
+            out = attention(q, k_l, v_l, q_pos, kv_pos, q_seg, kv_seg, impl="xla")
+            new_cache = (ck, cv)
         y = self.o_proj(out, "bthk,hkd->btd")
-        return y, (k, v)
+        return y, new_cache
 
 
 class MLP(nnx.Module):
@@ -151,7 +156,7 @@ class DecoderLayers(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, cos, sin, q_pos, q_seg, kv):
-        a, new_kv = self.attn(self.input_norm(x), cos, sin, q_pos, q_seg, kv)
+        a, new_kv = self.attn(self.input_norm(x), cos, sin, q_pos, q_seg, kv)  # new_kv: cache
         x = x + a
         x = x + self.mlp(self.post_attn_norm(x))
         return shd.constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
@@ -212,40 +217,42 @@ class Qwen(nnx.Module):
         cos, sin = rope_cos_sin(positions, inv_freq, scaling, dtype)
 
         graphdef, state = nnx.split(self.layers)
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cache is not None:
             index = jnp.asarray(cache["index"], jnp.int32)
             zero = jnp.zeros((), jnp.int32)
             kv_pos = jax.lax.dynamic_update_slice(cache["positions"], positions, (zero, index))
             kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids, (zero, index))
 
-            def body(h, xs):
-                layer_state, ck, cv = xs
+            # The stacked cache rides in the carry so each layer updates it in place.
+            def body(carry, xs):
+                h, ck, cv = carry
+                layer_state, i = xs
                 layer = nnx.merge(graphdef, layer_state)
-                h, kv = layer(h, cos, sin, positions, segment_ids, (ck, cv, kv_pos, kv_seg, index))
-                return h, kv
-            xs = (state, cache["k"], cache["v"])
+                h, (ck, cv) = layer(h, cos, sin, positions, segment_ids,
+                                    (ck, cv, i, kv_pos, kv_seg, index))
+                return (h, ck, cv), None
+            carry = (x, cache["k"], cache["v"])
         else:
-            def body(h, layer_state):
-                layer = nnx.merge(graphdef, layer_state)
+            def body(h, xs):
+                layer = nnx.merge(graphdef, xs[0])
                 h, _ = layer(h, cos, sin, positions, segment_ids, None)
                 return h, None
-            xs = state
+            carry = x
         policy = cfg.remat_policy
-        if policy != "none":
+        if policy != "none" and cache is None:
             body = jax.checkpoint(body, policy=remat_policy(policy), prevent_cse=False)
         if cfg.scan_layers:
-            x, kvs = jax.lax.scan(body, x, xs)
+            carry, _ = jax.lax.scan(body, carry, (state, layer_ids))
         else:  # unrolled: compile time grows with depth (kept for comparison / debugging)
-            ys = []
             for i in range(cfg.num_layers):
-                x, y = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
-                ys.append(y)
-            kvs = jax.tree.map(lambda *a: jnp.stack(a), *ys) if cache is not None else None
+                carry, _ = body(carry, (jax.tree.map(lambda a, i=i: a[i], state), layer_ids[i]))
+        x = carry if cache is None else carry[0]
         h = self.final_norm(x)
         new_cache = None
         if cache is not None:
-            new_cache = {"k": kvs[0], "v": kvs[1], "positions": kv_pos, "segment_ids": kv_seg,
-                         "index": index + T}
+            new_cache = {"k": carry[1], "v": carry[2], "positions": kv_pos,
+                         "segment_ids": kv_seg, "index": index + T}
         return h, new_cache
 
     def __call__(self, input_ids, positions=None, segment_ids=None):
