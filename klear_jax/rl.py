@@ -186,7 +186,11 @@ def run(cfg) -> dict:
                                        f"than the tokenizer's {len(tok)} tokens")
     ro, tr, lc = cfg.rollout, cfg.train, cfg.loss
     G, K = ro.group_size, tr.num_minibatches
-    optimizer, schedule = optim.make_optimizer(cfg.optim, tr.total_steps * K)
+    # Schedules count RL steps (verl steps its scheduler once per RL step); the optimizer
+    # counts updates, up to K per step, so warmup / decay lengths are scaled by K.
+    ocfg = cfg.optim.to_dict()
+    ocfg.update(warmup_steps=ocfg["warmup_steps"] * K, decay_steps=ocfg["decay_steps"] * K)
+    optimizer, schedule = optim.make_optimizer(ocfg, tr.total_steps * K)
     graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
     del model
     checkpointer = ckpt.TrainCheckpointer(cfg.workdir, keep=cfg.checkpoint.keep,

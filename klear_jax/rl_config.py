@@ -40,6 +40,8 @@ Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
     loss.adv_use_std        bool  GRPO divides by the group std (False = Dr.GRPO)
     loss.filter_zero_adv    bool  drop groups whose rewards are all equal
     loss.overlong_filter    bool  mask truncated responses out of the loss
+    optim.warmup_steps / decay_steps  count RL steps, as in verl (the optimizer sees up to
+                                  K updates per step; the loop scales both by K)
     reward.math.*                 klear_jax.rewards.MathRewardConfig fields
     reward.code.*                 CodeRewardConfig (mode, no_code, format penalties) and
                                   sandbox fields (timeout_s, max_tests, memory_mb,
