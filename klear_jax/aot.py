@@ -1,0 +1,383 @@
+"""Ahead-of-time compilation for a Cloud TPU topology, from a CPU host (libtpu installed).
+
+    python -m klear_jax.aot --config=configs/sft_qwen3_8b.py --topology=v5p-64
+    python -m klear_jax.aot --config=configs/gppo_math_qwen3_8b.py:chips=64 --topology=v6e-64 \
+        --what=rl_step,prefill,decode --out=/tmp/aot.json
+
+Builds the topology's devices (``jax.experimental.topologies``), the config's mesh over them,
+abstract parameters / optimizer state / batches (``jax.ShapeDtypeStruct`` with shardings;
+nothing the size of the model is ever allocated), then lowers and compiles the real jitted
+functions the training entry points run:
+
+    sft_step   train_step.make_train_step with the SFT loss, [batch_size, seq_len] rows
+    rl_step    the same step with rl_loss.make_rl_loss, one mini-batch of
+               batch_prompts / num_minibatches * group_size rows of max_prompt_len +
+               max_new_tokens tokens (the longest bucket)
+    prefill    Sampler's prefill: sample_chunk_prompts prompts of max_prompt_len tokens into a
+               KV cache of max_prompt_len + max_new_tokens slots, repeated group_size times
+    decode     Sampler's decode while_loop over that cache (donated)
+
+For each it reports per-chip memory (``compiled.memory_analysis()``), XLA's cost estimate
+(``compiled.cost_analysis()``: it counts a scanned or looped body ONCE, so for the layer scan
+its FLOPs are low by about the layer count) and analytical FLOPs (``flops.py``) with the time
+they take at the chip's peak and the implied MFU. Splash attention is compiled as the real
+Mosaic TPU kernel (not the CPU interpret mode the model picks on a CPU backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from klear_jax import config_utils
+from klear_jax import sharding as shd
+from klear_jax.aot_flops import CHIPS, analytical_flops, roofline
+
+GiB = 2 ** 30
+WHAT = ("sft_step", "rl_step", "prefill", "decode")
+
+
+# ------------------------------------------------------------------------------ topology
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A TPU slice: friendly name, libtpu topology name, chip kind (a key of CHIPS)."""
+    name: str
+    topology_name: str
+    chip: str
+    chip_config_name: str | None
+    chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return int(CHIPS[self.chip]["hbm_gib"] * GiB)
+
+
+# v5p-N counts TensorCores (2 per chip; megacore makes a chip one JAX device): v5p-64 is
+# 32 chips, 2x4x4. v6e-N counts chips (one TensorCore each): v6e-64 is 8x8.
+_V5P = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8",
+        512: "4x8x8"}
+_V6E = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+TOPOLOGIES = {**{f"v5p-{n}": Topology(f"v5p-{n}", f"v5p:{t}", "v5p", "megacore")
+                 for n, t in _V5P.items()},
+              **{f"v6e-{n}": Topology(f"v6e-{n}", f"v6e:{t}", "v6e", None)
+                 for n, t in _V6E.items()}}
+
+
+def parse_topology(name: str) -> Topology:
+    """``v5p-64`` / ``v6e-64`` (friendly) or a libtpu name such as ``v5p:2x2x2``."""
+    if name in TOPOLOGIES:
+        return TOPOLOGIES[name]
+    chip, sep, dims = name.partition(":")
+    if sep and chip in CHIPS and dims:
+        return Topology(name, name, chip, "megacore" if chip == "v5p" else None)
+    raise ValueError(f"--topology={name!r}: unknown; use one of {sorted(TOPOLOGIES)} or a "
+                     f"libtpu name like 'v5p:2x2x2' / 'v6e:8x8'")
+
+
+def topology_devices(topo: Topology) -> list:
+    """The slice's devices (needs libtpu; no TPU hardware)."""
+    from jax.experimental import topologies
+    kw = dict(platform="tpu", topology_name=topo.topology_name, num_slices=1,
+              chips_per_host_bounds=topo.chips_per_host_bounds)
+    if topo.chip_config_name:
+        kw["chip_config_name"] = topo.chip_config_name
+    return list(topologies.get_topology_desc(**kw).devices)
+
+
+def libtpu_available() -> bool:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def tpu_kernels():
+    """Splash attention as the Mosaic TPU kernel while lowering for TPU from a CPU backend
+    (``models.attention`` picks Pallas interpret mode when the default backend is CPU)."""
+    from klear_jax.models import splash
+    orig = splash.splash_attention
+
+    def compiled_kernel(*args, interpret=False, **kw):
+        return orig(*args, interpret=False, **kw)
+    splash.splash_attention = compiled_kernel
+    try:
+        yield
+    finally:
+        splash.splash_attention = orig
+
+
+# ------------------------------------------------------------------------------ abstract state
+def sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def abstract_model(model_cfg, mesh):
+    """(graphdef, abstract params pure dict with shardings, params shardings pure dict)."""
+    from flax import nnx
+    from klear_jax.models import Qwen, param_shardings
+    abstract = nnx.eval_shape(lambda: Qwen(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    p_sh = param_shardings(state, mesh).to_pure_dict()
+    params = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), state.to_pure_dict(), p_sh)
+    return graphdef, params, p_sh
+
+
+def abstract_train_state(params, p_sh, optimizer, mesh):
+    """(abstract TrainState, TrainState of shardings)."""
+    from klear_jax import train_step as ts
+    shardings = ts.state_shardings(p_sh, optimizer, params, mesh)
+    opt = jax.eval_shape(optimizer.init, params)
+    opt = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), opt, shardings.opt_state)
+    rep = ts.replicated(mesh)
+    state = ts.TrainState(step=sds((), jnp.int32, rep), skipped=sds((), jnp.int32, rep),
+                          params=params, opt_state=opt)
+    return state, shardings
+
+
+def abstract_batch(spec: dict[str, tuple[tuple[int, ...], Any]], mesh) -> dict:
+    from klear_jax import train_step as ts
+    bsh = ts.batch_sharding(mesh)
+    return {k: sds(shape, dt, bsh) for k, (shape, dt) in spec.items()}
+
+
+def model_config(cfg):
+    from klear_jax.models import ModelConfig
+    return ModelConfig(**config_utils.model_kwargs(cfg.model))
+
+
+# ------------------------------------------------------------------------------ report
+def memory_report(compiled, hbm_bytes: int) -> dict:
+    ma = compiled.memory_analysis()
+    f = lambda name: int(getattr(ma, name, 0) or 0)  # noqa: E731
+    out = {"argument_bytes": f("argument_size_in_bytes"), "output_bytes": f("output_size_in_bytes"),
+           "alias_bytes": f("alias_size_in_bytes"), "temp_bytes": f("temp_size_in_bytes"),
+           "code_bytes": f("generated_code_size_in_bytes"),
+           "host_temp_bytes": f("host_temp_size_in_bytes")}
+    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                          + out["temp_bytes"] + out["code_bytes"])
+    out["hbm_bytes"] = hbm_bytes
+    out["fits"] = out["total_bytes"] <= hbm_bytes
+    return out
+
+
+def cost_report(compiled) -> dict:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return {"xla_flops": float(ca.get("flops", 0.0)),
+            "xla_bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+            "xla_transcendentals": float(ca.get("transcendentals", 0.0))}
+
+
+def compile_one(name: str, lowered_fn, topo: Topology, n_devices: int, flops: dict) -> dict:
+    """Lowers + compiles; returns the report for one function."""
+    t0 = time.perf_counter()
+    lowered = lowered_fn()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    rep = {"name": name, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2)}
+    rep["memory"] = memory_report(compiled, topo.hbm_bytes)
+    rep["cost"] = cost_report(compiled)
+    rep["flops"] = flops
+    rep["roofline"] = roofline(flops, topo.chip, n_devices)
+    return rep
+
+
+# ------------------------------------------------------------------------------ the functions
+def _rollout_shapes(cfg):
+    ro = cfg.rollout
+    chunk = ro.sample_chunk_prompts or ro.prompts_per_step
+    return chunk, ro.max_prompt_len, ro.max_new_tokens, ro.group_size
+
+
+def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
+    """name -> (thunk returning a Lowered, analytical flops dict)."""
+    from klear_jax import optim, train_step as ts
+    mcfg = model_config(cfg)
+    graphdef, params, p_sh = abstract_model(mcfg, mesh)
+    is_rl = "rollout" in cfg
+    steps = cfg.train.total_steps * (cfg.train.num_minibatches if is_rl else 1)
+    optimizer, schedule = optim.make_optimizer(cfg.optim, steps)
+    state, shardings = abstract_train_state(params, p_sh, optimizer, mesh)
+    i32, f32 = jnp.int32, jnp.float32
+    jobs = {}
+
+    if "sft_step" in what:
+        if is_rl:
+            raise ValueError("--what=sft_step needs an SFT config (this one has a rollout block)")
+        B, T = cfg.train.batch_size, cfg.train.seq_len
+        batch = abstract_batch({"input_ids": ((B, T), i32), "targets": ((B, T), i32),
+                                "loss_mask": ((B, T), f32), "segment_ids": ((B, T), i32),
+                                "positions": ((B, T), i32)}, mesh)
+        step = ts.make_train_step(graphdef, optimizer, ts.make_sft_loss_fn(cfg.train.loss_agg),
+                                  mesh, cfg.train.num_microbatches, shardings, schedule=schedule)
+        jobs["sft_step"] = (lambda: step.lower(state, batch),
+                            analytical_flops(mcfg, "train", rows=B, seq=T))
+
+    if not is_rl:
+        unknown = set(what) - {"sft_step"}
+        if unknown:
+            raise ValueError(f"--what={','.join(sorted(unknown))} needs an RL config")
+        return jobs
+    chunk, Pl, M, G = _rollout_shapes(cfg)
+
+    if "rl_step" in what:
+        from klear_jax import rl_loss
+        tr, lc = cfg.train, cfg.loss
+        R, T = tr.batch_prompts // tr.num_minibatches * G, Pl + M
+        batch = abstract_batch({"input_ids": ((R, T), i32), "targets": ((R, T), i32),
+                                "loss_mask": ((R, T), f32), "segment_ids": ((R, T), i32),
+                                "old_logp": ((R, T), f32), "advantages": ((R,), f32),
+                                "positive": ((R,), f32)}, mesh)
+        loss = rl_loss.make_rl_loss(lc.kind, lc.eps_low, lc.eps_high, lc.beta1, lc.beta2,
+                                    lc.dual_clip, lc.agg, lc.norm_length, lc.sft_alpha,
+                                    cfg.rollout.temperature)
+        step = ts.make_train_step(graphdef, optimizer, loss.loss_fn, mesh, tr.num_microbatches,
+                                  shardings, schedule=schedule, denom_fn=loss.denom_fn,
+                                  loss_weights=loss.loss_weights,
+                                  finalize_metrics=loss.finalize_metrics)
+        jobs["rl_step"] = (lambda: step.lower(state, batch),
+                           analytical_flops(mcfg, "train", rows=R, seq=T))
+
+    if "prefill" in what or "decode" in what:
+        jobs.update(_sampler_jobs(cfg, mcfg, graphdef, params, mesh, what))
+    return jobs
+
+
+def _sampler_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
+    from flax import nnx
+    from klear_jax import sampler as sampler_lib
+    from klear_jax import sampling_utils as su
+    ro = cfg.rollout
+    chunk, Pl, M, G = _rollout_shapes(cfg)
+    smp = sampler_lib.Sampler(graphdef, mesh=mesh, max_prompt_len=Pl)
+    st = sampler_lib._Static(max_new_tokens=M, n=G, greedy=ro.temperature <= su.GREEDY_TEMPERATURE,
+                             top_k=ro.top_k, use_top_p=ro.top_p < 1.0,
+                             use_penalty=ro.repetition_penalty != 1.0)
+    prefill, decode = smp._functions(st)
+    Bp = -(-chunk // smp.batch_multiple) * smp.batch_multiple
+    B = Bp * G
+    row2 = shd.named_sharding(mesh, ("act_batch", None), (Bp, Pl))
+    row = lambda n: shd.named_sharding(mesh, ("act_batch",), (n,))  # noqa: E731
+    rep = NamedSharding(mesh, P())
+    state = nnx.State(params)
+    p_args = (sds((Bp, Pl), jnp.int32, row2), sds((Bp, Pl), jnp.int32, row2),
+              sds((Bp,), jnp.bool_, row(Bp)))
+    k_args = (sds((B,), jnp.int32, row(B)), sds((B,), jnp.int32, row(B)))
+    scal = (sds((), jnp.uint32, rep), sds((), jnp.float32, rep), sds((), jnp.float32, rep),
+            sds((), jnp.float32, rep), sds((1,), jnp.int32, rep))
+
+    def lower_prefill():
+        with shd.use_mesh(mesh):
+            return prefill.lower(state, *p_args, *k_args, *scal)
+
+    cache = {}
+
+    def compiled_prefill():
+        if "c" not in cache:
+            with shd.use_mesh(mesh):
+                cache["c"] = prefill.lower(state, *p_args, *k_args, *scal).compile()
+        return cache["c"]
+
+    def lower_decode():
+        # The carry comes out of prefill: its shapes, and the shardings prefill gives it.
+        with shd.use_mesh(mesh):
+            shapes = jax.eval_shape(prefill, state, *p_args, *k_args, *scal)
+        out_sh = compiled_prefill().output_shardings
+        carry = jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh), shapes, out_sh)
+        with shd.use_mesh(mesh):
+            return decode.lower(state, carry, *k_args, *scal)
+
+    jobs = {}
+    if "prefill" in what:
+        jobs["prefill"] = (lower_prefill, analytical_flops(mcfg, "prefill", rows=Bp, seq=Pl,
+                                                           cache=Pl + M))
+    if "decode" in what:
+        jobs["decode"] = (lower_decode, analytical_flops(mcfg, "decode", rows=B, seq=M,
+                                                         cache=Pl + M))
+    return jobs
+
+
+def run(config: str, topology: str, what: tuple[str, ...] | None = None,
+        overrides=()) -> dict:
+    """Compiles ``what`` for ``config`` on ``topology``; returns the JSON-able report."""
+    topo = parse_topology(topology)
+    if not libtpu_available():
+        raise RuntimeError("klear_jax.aot needs libtpu (pip install libtpu==0.0.42.1, the "
+                           "version jax[tpu]==0.10.2 pins) to compile for TPU from this host")
+    cfg = config_utils.load_config(config)
+    config_utils.apply_overrides(cfg, overrides)
+    is_rl = "rollout" in cfg
+    what = tuple(what or (("rl_step", "prefill", "decode") if is_rl else ("sft_step",)))
+    bad = set(what) - set(WHAT)
+    if bad:
+        raise ValueError(f"--what: unknown {sorted(bad)}; allowed {WHAT}")
+    devices = topology_devices(topo)
+    config_utils.validate_mesh(cfg, len(devices))
+    mesh = shd.mesh_from_config(cfg.mesh, devices=devices)
+    report = {"config": config, "overrides": list(overrides), "topology": topo.name,
+              "topology_name": topo.topology_name, "chip": topo.chip, "devices": len(devices),
+              "device_kind": devices[0].device_kind, "mesh": dict(mesh.shape),
+              "jax": jax.__version__, "functions": []}
+    with tpu_kernels():
+        jobs = build_jobs(cfg, mesh, what)
+        for name in what:
+            lower_fn, flops = jobs[name]
+            report["functions"].append(compile_one(name, lower_fn, topo, len(devices), flops))
+    return report
+
+
+def format_report(rep: dict) -> str:
+    big = max((f["memory"]["total_bytes"] for f in rep["functions"]), default=0) >= GiB
+    unit, div = ("GiB", GiB) if big else ("MiB", 2 ** 20)
+    g = lambda b: f"{b / div:7.2f}"  # noqa: E731
+    lines = [f"{rep['config']} on {rep['topology']} ({rep['topology_name']}, {rep['devices']} x "
+             f"{rep['device_kind']}), mesh {rep['mesh']}",
+             f"{'function':9s} {'args':>7s} {'out':>7s} {'alias':>7s} {'temp':>7s} "
+             f"{'total':>7s} {'HBM':>6s}  fits  compile_s  model_TFLOP  xla_TFLOP   est_s    MFU"]
+    for f in rep["functions"]:
+        m, c, fl, r = f["memory"], f["cost"], f["flops"], f["roofline"]
+        lines.append(f"{f['name']:9s} {g(m['argument_bytes'])} {g(m['output_bytes'])} "
+                     f"{g(m['alias_bytes'])} {g(m['temp_bytes'])} {g(m['total_bytes'])} "
+                     f"{m['hbm_bytes'] / div:6.0f}  {'yes ' if m['fits'] else 'NO  '} "
+                     f"{f['compile_s']:9.1f}  {fl['model_flops'] / 1e12:11.1f}  "
+                     f"{c['xla_flops'] / 1e12:9.2f} {r['est_time_s']:7.3f} {r['implied_mfu']:6.2f}")
+    lines.append(f"memory in {unit} per chip; model_TFLOP analytical for the whole slice; xla_TFLOP "
+                 "per chip, counting each scanned/looped body once (see DESIGN.md)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m klear_jax.aot", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="configs/x.py[:variant]")
+    ap.add_argument("--topology", required=True, help=f"one of {sorted(TOPOLOGIES)} or 'v5p:2x2x2'")
+    ap.add_argument("--what", default="", help=f"comma list of {WHAT} (default: all for the config)")
+    ap.add_argument("--out", default="", help="write the JSON report here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. --set model.remat_policy=dots (repeatable)")
+    a = ap.parse_args(argv)
+    what = tuple(w for w in a.what.split(",") if w) or None
+    rep = run(a.config, a.topology, what, a.set)
+    print(format_report(rep))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rep, f, indent=1)
+    return 0 if all(f["memory"]["fits"] for f in rep["functions"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
