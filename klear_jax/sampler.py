@@ -160,6 +160,7 @@ class Sampler:
         self.cache_dtype = cache_dtype
         self._fns: dict[_Static, tuple] = {}
         self.compiled_shapes: set[tuple] = set()  # (static, rows, prompt bucket) seen so far
+        self.last_decode_steps = 0
 
     # ----------------------------------------------------------------- sharding helpers
     @property
@@ -300,7 +301,7 @@ class Sampler:
         scal = dict(seed=jnp.asarray(int(seed) % 2**32, jnp.uint32),
                     temperature=jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
                     top_p=jnp.float32(params.top_p), penalty=jnp.float32(params.repetition_penalty),
-                    stop_ids=jnp.asarray(params.stop_token_ids, jnp.int32).reshape(-1))
+                    stop_ids=jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
         prefill, decode = self._functions(st)
         self.compiled_shapes.add((st, Bp * n, P))
         ctx = shd.use_mesh(self.mesh) if self.mesh is not None else _nullctx()
@@ -311,6 +312,7 @@ class Sampler:
             final = decode(state, carry, *args_k, *scal.values())
             del carry
         tokens, logprobs, lengths, done = (final[k] for k in ("tokens", "logprobs", "lengths", "done"))
+        self.last_decode_steps = int(final["step"])  # < max_new_tokens after an early exit
         del final
         N = npr * n
         tokens, logprobs, lengths = (_to_host(x)[:N] for x in (tokens, logprobs, lengths))

@@ -76,6 +76,15 @@ def step_keys(keys, step):
     return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
 
 
+def pad_stop_ids(stop_ids: Sequence[int], multiple: int = 8) -> np.ndarray:
+    """Stop ids padded with -1 (never a token) to a multiple of 8, so the number of stop
+    ids does not change the compiled shape."""
+    n = max(multiple, -(-len(stop_ids) // multiple) * multiple)
+    out = np.full(n, -1, np.int32)
+    out[:len(stop_ids)] = stop_ids
+    return out
+
+
 def is_stop(tokens, stop_ids):
     """tokens int32 [B], stop_ids int32 [S] (S may be 0) -> bool [B]."""
     return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
