@@ -26,8 +26,8 @@ def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 class MetricWriter:
     """Writes scalars to ``workdir/metrics.jsonl`` and TensorBoard under ``workdir/tb``.
 
-    On resume the JSONL file is truncated to the steps before ``start_step`` so it reads as
-    one uninterrupted run.
+    On resume from step ``start_step`` rows of later steps (written after that checkpoint by
+    the interrupted run) are dropped, so the file reads as one uninterrupted run.
     """
 
     def __init__(self, workdir: str, start_step: int = 0, enabled: bool | None = None,
@@ -45,7 +45,7 @@ class MetricWriter:
         self._file = open(self.path, "a")
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step or None)
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -76,7 +76,7 @@ def _truncate_jsonl(path: str, start_step: int) -> None:
         return
     with open(path) as f:
         rows = [line for line in f if line.strip()]
-    keep = [r for r in rows if json.loads(r).get("step", 0) < start_step]
+    keep = [r for r in rows if json.loads(r).get("step", 0) <= start_step]
     with open(path, "w") as f:
         f.writelines(keep)
 
