@@ -46,6 +46,7 @@ between batch shapes).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import jax
@@ -161,6 +162,7 @@ class Sampler:
         self._fns: dict[_Static, tuple] = {}
         self.compiled_shapes: set[tuple] = set()  # (static, rows, prompt bucket) seen so far
         self.last_decode_steps = 0
+        self.last_timings: dict[str, float] = {}
 
     # ----------------------------------------------------------------- sharding helpers
     @property
@@ -273,6 +275,7 @@ class Sampler:
     def generate(self, state, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  seed: int) -> SampleOutput:
         """Samples ``params.n`` responses per prompt. See the module docstring."""
+        t0 = time.perf_counter()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Sampler.generate: params must be SamplingParams, got {type(params)}")
         cfg = nnx.merge(self.graphdef, state).config
@@ -309,6 +312,8 @@ class Sampler:
             args_p = (self._put(ids, row2), self._put(seg, row2), self._put(valid, row))
             args_k = (self._put(phash, row), self._put(sid, row))
             carry = prefill(state, *args_p, *args_k, *scal.values())
+            jax.block_until_ready(carry["tokens"])
+            t1 = time.perf_counter()
             final = decode(state, carry, *args_k, *scal.values())
             del carry
         tokens, logprobs, lengths, done = (final[k] for k in ("tokens", "logprobs", "lengths", "done"))
@@ -317,6 +322,10 @@ class Sampler:
         N = npr * n
         tokens, logprobs, lengths = (_to_host(x)[:N] for x in (tokens, logprobs, lengths))
         stopped = _to_host(done)[:N]  # valid rows are done only via a stop token
+        t2 = time.perf_counter()
+        # Wall times of the last call (compilation included on a shape's first call):
+        # ttft_s = host prep + prefill + first token; decode_s = the while_loop + host copy.
+        self.last_timings = {"ttft_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
         prompt_index = np.repeat(np.arange(npr, dtype=np.int32), n)
         return SampleOutput(
             tokens=tokens.astype(np.int32), logprobs=logprobs.astype(np.float32),
