@@ -219,7 +219,8 @@ def run(cfg) -> dict:
                                  shardings, schedule=schedule, denom_fn=loss.denom_fn,
                                  loss_weights=loss.loss_weights,
                                  finalize_metrics=loss.finalize_metrics)
-    logp_fn = rl_loss.make_logprob_fn(graphdef, mesh, shardings.params, ro.temperature)
+    logp_fn = rl_loss.make_logprob_fn(graphdef, mesh, shardings.params, ro.temperature,
+                                       tr.num_microbatches)
     scorers = Scorers(cfg)
     bsh = ts.batch_sharding(mesh)
     n_proc = jax.process_count()

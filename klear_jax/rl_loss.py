@@ -88,17 +88,21 @@ def make_rl_loss(kind: str = "gppo", eps_low: float = 0.2, eps_high: float = 0.2
     return RLLoss(loss_fn, denom_fn, {"pg": 1.0, "sft": float(sft_alpha)}, finalize_metrics)
 
 
-def make_logprob_fn(graphdef, mesh, params_shardings: Any, temperature: float = 1.0):
+def make_logprob_fn(graphdef, mesh, params_shardings: Any, temperature: float = 1.0,
+                    num_microbatches: int = 1):
     """Jitted ``(params, mb) -> (old_logp [B, T], stats)`` on the training mesh; old_logp
-    keeps the batch sharding so it joins the mini-batch without leaving the devices.
+    keeps the batch sharding so it joins the mini-batch without leaving the devices. The
+    rows are processed ``num_microbatches`` at a time (lax.map), like the train step, so
+    the forward pass never holds more activations than a training micro-batch.
 
     stats (sums over the mask, float32 scalars): tokens, entropy (of the tempered policy),
     mismatch_abs (|sampler_logp - logp|), mismatch_kl (k3 estimate of KL(sampler || trainer))
     and, per token, max_mismatch_abs."""
     bsh = ts.batch_sharding(mesh)
     rep = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    M = int(num_microbatches)
 
-    def fn(params, mb):
+    def one(params, mb):
         model = ts.merge_model(graphdef, params)
         logp, ent = token_logprobs(model, mb, temperature, return_entropy=True)
         m = mb["loss_mask"] > 0
@@ -109,6 +113,16 @@ def make_logprob_fn(graphdef, mesh, params_shardings: Any, temperature: float = 
                  "mismatch_kl": jnp.sum(jnp.where(m, jnp.exp(-d) - 1.0 + d, 0.0)),
                  "max_mismatch_abs": jnp.max(jnp.abs(d))}
         return jnp.where(m, logp, 0.0), stats
+
+    def fn(params, mb):
+        if M == 1:
+            return one(params, mb)
+        B, T = mb["input_ids"].shape
+        logp, stats = jax.lax.map(lambda part: one(params, part), ts.split_microbatches(mb, M))
+        logp = jnp.swapaxes(logp, 0, 1).reshape(B, T)  # undo the interleaved split
+        stats = {k: jnp.max(v) if k.startswith("max_") else jnp.sum(v)
+                 for k, v in stats.items()}
+        return logp, stats
 
     jitted = jax.jit(fn, in_shardings=(params_shardings, bsh), out_shardings=(bsh, rep))
 

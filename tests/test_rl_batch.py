@@ -112,8 +112,8 @@ def test_split_minibatches_pads_last_with_empty_rows():
 
 
 def test_rl_loss_global_normalisation_two_terms():
-    """The RL loss equals pg_sum/D_pg + alpha * sft_sum/D_sft over the whole mini-batch,
-    whatever the micro-batch split (checked with make_train_step on 1 vs 2 micro-batches)."""
+    """The RL loss equals pg_sum/D_pg + alpha * sft_sum/D_sft over the whole mini-batch even
+    when make_train_step splits it into micro-batches; the old-logprob pass likewise."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -135,23 +135,45 @@ def test_rl_loss_global_normalisation_two_terms():
     alpha = 0.3
     rl = rl_loss.make_rl_loss(sft_alpha=alpha)
     model = create_model(cfg, seed=0)
-    logp, _ = rl_loss.token_logprobs(model, {k: jnp.asarray(v) for k, v in mb.items()})
-    want_pg = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"],
-                                 "gppo", 0.2, 0.28, dual_clip=10.0)[0]
-    want_sft = losses.finalize(*losses.positive_sft_terms(logp, mb["loss_mask"], mb["positive"]))
-    got = {}
-    for M in (1, 2):
-        opt = optax.sgd(0.0)
-        graphdef, state, sh = ts.init_train_state(create_model(cfg, seed=0), opt, mesh)
-        step = ts.make_train_step(graphdef, opt, rl.loss_fn, mesh, M, sh, denom_fn=rl.denom_fn,
-                                  loss_weights=rl.loss_weights,
-                                  finalize_metrics=rl.finalize_metrics, donate=False)
-        _, m = step(state, {k: jnp.asarray(v) for k, v in mb.items()})
-        got[M] = m
-        np.testing.assert_allclose(m["loss"], want_pg + alpha * want_sft, rtol=1e-5)
-        np.testing.assert_allclose(m["sft_nll"], want_sft, rtol=1e-5)
-        assert float(m["sft_tokens"]) == mb["loss_mask"][[0, 3]].sum()
-    np.testing.assert_allclose(got[1]["grad_norm"], got[2]["grad_norm"], rtol=1e-5)
+    graphdef, params = ts.split_model(model)
+    jmb = {k: jnp.asarray(v) for k, v in mb.items()}
+
+    def reference(params):  # the whole mini-batch in one piece
+        lp, _ = rl_loss.token_logprobs(ts.merge_model(graphdef, params), jmb)
+        pg = losses.policy_loss(lp, jmb["old_logp"], jmb["advantages"], jmb["loss_mask"],
+                                "gppo", 0.2, 0.28, dual_clip=10.0)[0]
+        sft = losses.finalize(*losses.positive_sft_terms(lp, jmb["loss_mask"], jmb["positive"]))
+        return pg + alpha * sft, (sft, lp)
+    (want_loss, (want_sft, logp)), grads = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
+
+    # two micro-batches: loss and gradient still equal the whole-batch ones (global denominators)
+    opt = optax.sgd(1.0)
+    _, state, sh = ts.init_train_state(model, opt, mesh)
+    step = ts.make_train_step(graphdef, opt, rl.loss_fn, mesh, 2, sh, denom_fn=rl.denom_fn,
+                              loss_weights=rl.loss_weights, finalize_metrics=rl.finalize_metrics,
+                              donate=False)
+    new_state, m = step(state, jmb)
+    np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(m["sft_nll"], want_sft, rtol=1e-5)
+    assert float(m["sft_tokens"]) == mb["loss_mask"][[0, 3]].sum()
+    assert float(m["tokens"]) == mb["loss_mask"].sum() + mb["loss_mask"][[0, 3]].sum()
+    for g, p0, p1 in zip(jax.tree.leaves(grads), jax.tree.leaves(state.params),
+                         jax.tree.leaves(new_state.params)):  # sgd(1): p1 = p0 - grad
+        np.testing.assert_allclose(p0 - p1, g, rtol=1e-4, atol=1e-7)
+
+    # the old-logprob pass: same values and stats whatever the micro-batch split
+    mb["sampler_logp"] = (mb["loss_mask"] * -3.0).astype(np.float32)
+    p_sh = ts.params_shardings(model, mesh)
+    res = [rl_loss.make_logprob_fn(graphdef, mesh, p_sh, 1.0, M)(
+        params, {k: jnp.asarray(v) for k, v in mb.items()}) for M in (1, 2)]
+    np.testing.assert_allclose(res[0][0], np.where(mb["loss_mask"] > 0, logp, 0.0), atol=1e-6)
+    np.testing.assert_allclose(res[1][0], res[0][0], atol=1e-6)
+    m = mb["loss_mask"] > 0
+    want_abs = np.abs(-3.0 - np.asarray(logp))[m]
+    for r in res:
+        assert float(r[1]["tokens"]) == m.sum()
+        np.testing.assert_allclose(r[1]["mismatch_abs"], want_abs.sum(), rtol=1e-5)
+        np.testing.assert_allclose(r[1]["max_mismatch_abs"], want_abs.max(), rtol=1e-5)
 
 
 def test_rl_config_validation_names_keys(tmp_path):
