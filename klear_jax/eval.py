@@ -1,0 +1,425 @@
+"""Evaluation: k samples per problem from a checkpoint, scored -> avg@k / pass@k per benchmark.
+
+    python -m klear_jax.eval --config=configs/eval_tiny.py --config.checkpoint=DIR \
+        --config.benchmarks.math.path=held_out_math.jsonl [--config.out_dir=OUT]
+
+``checkpoint`` is an Orbax checkpoint (a params-only dir from ``checkpoint.save_params`` or
+an SFT / RL workdir; parameters alone are restored onto this run's mesh) or a HF directory
+(config.json + *.safetensors); a dir holding config.json and safetensors is taken as HF.
+The tokenizer is ``tokenizer`` if set, else the HF dir's own, else the ``data.tokenizer``
+of the run config saved in the Orbax checkpoint. Config keys: ``klear_jax.eval_config``.
+
+Benchmark files are JSONL, one problem a line, in the RL prompt-set format
+(``klear_jax.data.records``): math ``{"problem", "answer"}``; code ``{"problem", "tests"}``
+with tests ``{"inputs": [...], "outputs": [...], ["fn_name"]}`` (stdin/stdout, or
+call-based with fn_name; APPS/TACO ``input_output`` accepted, the dict may be a JSON
+string). Optional ``id`` names the problem (default: its line number). The prompt is built
+exactly as the RL data path builds it (``prepare.rl_example``: ``prompt_template`` around
+the problem, then the chat template with the assistant header), so eval and RL agree. A bad
+record raises ``RecordError`` "path:line: problem".
+
+Scoring is the RL reward (math-verify; the sandboxed code runner in soft mode). A sample is
+*correct* when it earns the full reward (math verifies; code passes every test);
+``accuracy`` == ``avg@k`` is the fraction of correct samples, ``pass_rate`` the mean soft
+pass rate (code) and ``pass@k`` the unbiased estimator (``klear_jax.eval_metrics``).
+
+Python API (what the demo calls in-process)::
+
+    from klear_jax.eval import evaluate, Benchmark, Setting
+    res = evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=None,
+                   seed=0, max_prompt_len=512, batch_prompts=0, samples_per_call=0,
+                   math_reward=None, code_reward=None, checkpoint_step=-1,
+                   model_overrides=None, log=print)
+    res["results"]["math"]["t1_0"]["accuracy"]     # avg@k at that setting
+
+``model_or_ckpt``: a ``Qwen`` model (its params may live on ``mesh``) or a checkpoint path;
+``tokenizer``: a tokenizer or its directory (None = find it as above); ``benchmarks`` /
+``settings``: lists of ``Benchmark`` / ``Setting`` or dicts of their fields. A setting's
+``num_samples`` 0 takes the benchmark's. ``model_overrides``: ModelConfig fields applied when
+loading from a path (dtype, rope_scaling for YaRN, ...). Returns the results dict, also
+written to ``out_dir/results.json`` with per-sample rows in
+``out_dir/samples/<benchmark>__<setting>.jsonl``::
+
+    {"checkpoint": str, "model": {ModelConfig fields}, "seed": int, "wall_time_s": float,
+     "settings": {name: {temperature, top_p, top_k, repetition_penalty, max_new_tokens,
+                         num_samples, greedy}},
+     "benchmarks": {name: {"kind", "path", "num_problems", "num_samples"}},
+     "results": {benchmark: {setting: eval_metrics.summarize(...) + {"kind", "time_s",
+                                                                  "tokens_per_s"}}}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from klear_jax import eval_metrics as em
+from klear_jax.data import records as R
+
+logger = logging.getLogger("klear_jax.eval")
+KINDS = ("math", "code")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+# ------------------------------------------------------------------------------ specs
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """A JSONL file of problems. ``num_samples``: k per problem (unless the setting says)."""
+    name: str
+    path: str
+    kind: str = "math"
+    num_samples: int = 1
+    prompt_template: str = "{problem}"
+
+    def __post_init__(self):
+        _check_name("Benchmark", self.name)
+        if self.kind not in KINDS:
+            raise ValueError(f"Benchmark {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.num_samples, int) or self.num_samples < 1:
+            raise ValueError(f"Benchmark {self.name!r}: num_samples must be an int >= 1")
+        if "{problem}" not in self.prompt_template:
+            raise ValueError(f"Benchmark {self.name!r}: prompt_template must contain '{{problem}}'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Sampling settings; temperature 0 is greedy; num_samples 0 = the benchmark's k."""
+    name: str
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 1024
+    num_samples: int = 0
+
+    def __post_init__(self):
+        _check_name("Setting", self.name)
+        if not isinstance(self.num_samples, int) or self.num_samples < 0:
+            raise ValueError(f"Setting {self.name!r}: num_samples must be an int >= 0")
+        self.sampling_params(1)  # validates the rest, naming the field
+
+    def sampling_params(self, n: int, stop_ids: Sequence[int] = ()):
+        from klear_jax.sampler import SamplingParams
+        try:
+            return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
+                                  top_k=int(self.top_k),
+                                  repetition_penalty=float(self.repetition_penalty),
+                                  max_new_tokens=self.max_new_tokens, stop_token_ids=stop_ids,
+                                  n=n)
+        except ValueError as e:
+            raise ValueError(f"Setting {self.name!r}: {e}") from None
+
+
+def _check_name(what, name):
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{what} name must match {_NAME.pattern} (it names output files), "
+                         f"got {name!r}")
+
+
+def _as(cls, x):
+    return x if isinstance(x, cls) else cls(**dict(x))
+
+
+# ------------------------------------------------------------------------------ problems
+@dataclasses.dataclass
+class Problem:
+    id: str
+    line: int
+    prompt_ids: list[int]
+    answer: str
+    tests: dict | None
+
+
+def load_problems(bench: Benchmark, tokenizer, max_prompt_len: int) -> list[Problem]:
+    """Reads and validates ``bench.path``; RecordError "path:line: problem" on a bad record."""
+    from klear_jax.data.prepare import rl_example
+    if not os.path.isfile(bench.path):
+        raise FileNotFoundError(f"benchmark {bench.name!r}: file {bench.path!r} does not exist")
+    out, seen = [], {}
+    for raw in R.iter_raw_records([bench.path]):
+        try:
+            fields = R.rl_fields(raw.data, "rl_" + bench.kind)
+            ex, _ = rl_example(tokenizer, fields, None, bench.prompt_template)
+            pid = raw.data.get("id", raw.line)
+            if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+                raise ValueError(f"field 'id' must be a string or int, got {type(pid).__name__}")
+            pid = str(pid)
+            if pid in seen:
+                raise ValueError(f"id {pid!r} repeats line {seen[pid]}")
+            n = len(ex["prompt_ids"])
+            if n > max_prompt_len:
+                raise ValueError(f"prompt has {n} tokens, more than max_prompt_len = "
+                                 f"{max_prompt_len} (raise it: eval never drops a problem)")
+        except ValueError as e:
+            raise R.RecordError(raw.path, raw.line, str(e)) from None
+        seen[pid] = raw.line
+        out.append(Problem(pid, raw.line, [int(t) for t in ex["prompt_ids"]], fields["answer"],
+                           fields["tests"]))
+    if not out:
+        raise ValueError(f"benchmark {bench.name!r}: {bench.path} holds no problems")
+    return out
+
+
+# ------------------------------------------------------------------------------ loading
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") or f == "model.safetensors.index.json"
+        for f in os.listdir(path))
+
+
+def load_model(path: str, mesh=None, step: int = -1, **overrides):
+    """A HF dir (``from_hf``) or an Orbax checkpoint (``restore_params``), on ``mesh``."""
+    if is_hf_dir(path):
+        from klear_jax.models import from_hf
+        dtype = overrides.pop("dtype", "float32")
+        return from_hf(path, dtype=dtype, mesh=mesh, **overrides)
+    from klear_jax import checkpoint as ckpt
+    return ckpt.restore_params(path, mesh=mesh, step=step, **overrides)
+
+
+def _saved_run_tokenizer(path: str, step: int) -> str | None:
+    """``data.tokenizer`` of the run config saved with an SFT / RL checkpoint, if any."""
+    import orbax.checkpoint as ocp
+    from klear_jax import checkpoint as ckpt
+    try:
+        mngr = ocp.CheckpointManager(ckpt.resolve_dir(path),
+                                     options=ocp.CheckpointManagerOptions(read_only=True))
+        s = mngr.latest_step() if step < 0 else step
+        cfg = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        mngr.close()
+        return (cfg.get("data") or {}).get("tokenizer") or None
+    except Exception:  # params-only checkpoints carry no run config
+        return None
+
+
+def resolve_tokenizer(tokenizer, checkpoint: str | None, step: int = -1):
+    from klear_jax.data.tokenizer import load_tokenizer
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    if tokenizer:
+        return load_tokenizer(tokenizer)
+    if checkpoint and os.path.isdir(checkpoint) and any(
+            os.path.isfile(os.path.join(checkpoint, f))
+            for f in ("tokenizer.json", "tokenizer_config.json")):
+        return load_tokenizer(checkpoint)
+    saved = _saved_run_tokenizer(checkpoint, step) if checkpoint else None
+    if saved:
+        return load_tokenizer(saved)
+    raise ValueError(f"no tokenizer: set `tokenizer` (the checkpoint {checkpoint!r} has none "
+                     "and no saved run config naming one)")
+
+
+def stop_token_ids(tok, vocab_size: int) -> tuple[int, ...]:
+    """eos and <|endoftext|>, as the RL loop stops on."""
+    ids = (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>"))
+    return tuple(sorted({i for i in ids if isinstance(i, int) and 0 <= i < vocab_size}))
+
+
+# ------------------------------------------------------------------------------ scoring
+class _Scorers:
+    def __init__(self, math_cfg, code_cfg):
+        from klear_jax.rewards import CodeRewardConfig, MathRewardConfig
+        self.math_cfg = math_cfg or MathRewardConfig()
+        # Soft mode always: the pass rate is the reward, so both metrics come from it.
+        self.code_cfg = dataclasses.replace(code_cfg or CodeRewardConfig(), mode="soft")
+        self._math = self._code = None
+
+    def submit(self, kind: str, texts: list[str], problems: list[Problem]):
+        """-> a callable returning (rewards, correct, pass_rate), each float/bool [len(texts)]."""
+        if kind == "code":
+            if self._code is None:
+                from klear_jax.rewards import CodeScorer
+                self._code = CodeScorer(self.code_cfg)
+            fut = self._code.submit_batch(texts, [p.tests for p in problems])
+
+            def done():
+                r = np.asarray(fut.result(), np.float32)
+                return r, r >= 1.0 - 1e-6, np.maximum(r, 0.0)
+            return done
+        if self._math is None:
+            from klear_jax.rewards import MathScorer
+            self._math = MathScorer(self.math_cfg)
+        r = np.asarray(self._math.score_batch(texts, [p.answer for p in problems]), np.float32)
+        ok = r >= self.math_cfg.correct - 1e-6
+        return lambda: (r, ok, ok.astype(np.float32))
+
+    def close(self):
+        for s in (self._math, self._code):
+            if s is not None:
+                s.close()
+
+
+# ------------------------------------------------------------------------------ evaluation
+def _sample_and_score(sampler, state, tok, problems, bench, setting, k, stop_ids, seed,
+                      batch_prompts, samples_per_call, scorers):
+    """-> per-sample arrays [P, k] (texts, rewards, correct, pass_rate, lengths, truncated)."""
+    P = len(problems)
+    chunk = batch_prompts or P
+    per_call = min(samples_per_call or k, k)
+    texts = [[""] * k for _ in range(P)]
+    lengths, trunc = np.zeros((P, k), np.int32), np.zeros((P, k), bool)
+    pending = []
+    for c0 in range(0, P, chunk):
+        probs = problems[c0:c0 + chunk]
+        prompts = [p.prompt_ids for p in probs]
+        # pad the last chunk with copies (dropped below) so every call has one row count;
+        # copies come after the real prompts, so they do not change the real rows' keys
+        prompts += [prompts[0]] * (min(chunk, P) - len(prompts))
+        for s0 in range(0, k, per_call):
+            n = min(per_call, k - s0)
+            out = sampler.generate(state, prompts, setting.sampling_params(n, stop_ids),
+                                   seed + s0)
+            rows = len(probs) * n
+            resp = sampler.decode_text(out, tok)[:rows]
+            for i, text in enumerate(resp):
+                p, j = c0 + i // n, s0 + i % n
+                texts[p][j] = text
+                lengths[p, j], trunc[p, j] = out.lengths[i], out.truncated[i]
+            idx = [(c0 + i // n, s0 + i % n) for i in range(rows)]
+            pending.append((idx, scorers.submit(bench.kind, resp,
+                                                [problems[p] for p, _ in idx])))
+    rewards = np.zeros((P, k), np.float32)
+    correct = np.zeros((P, k), bool)
+    pass_rate = np.zeros((P, k), np.float32)
+    for idx, done in pending:
+        r, ok, pr = done()
+        for (p, j), a, b, c in zip(idx, r, ok, pr):
+            rewards[p, j], correct[p, j], pass_rate[p, j] = a, b, c
+    return texts, rewards, correct, pass_rate, lengths, trunc
+
+
+def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=None, *,
+             seed: int = 0, max_prompt_len: int = 512, batch_prompts: int = 0,
+             samples_per_call: int = 0, math_reward=None, code_reward=None,
+             checkpoint_step: int = -1, model_overrides: dict | None = None,
+             log: Callable[[str], Any] | None = print) -> dict:
+    """Samples, scores and summarises every (benchmark, setting). See the module docstring."""
+    from flax import nnx
+    from klear_jax.sampler import Sampler
+
+    t_start = time.perf_counter()
+    benchmarks = [_as(Benchmark, b) for b in benchmarks]
+    settings = [_as(Setting, s) for s in settings]
+    for what, items in (("benchmark", benchmarks), ("setting", settings)):
+        names = [x.name for x in items]
+        if not items or len(set(names)) != len(names):
+            raise ValueError(f"evaluate: need at least one {what}, with distinct names: {names}")
+    ckpt_path = model_or_ckpt if isinstance(model_or_ckpt, (str, os.PathLike)) else None
+    tok = resolve_tokenizer(tokenizer, os.fspath(ckpt_path) if ckpt_path else None,
+                            checkpoint_step)
+    problems = {b.name: load_problems(b, tok, max_prompt_len) for b in benchmarks}
+    if ckpt_path is not None:
+        model = load_model(os.fspath(ckpt_path), mesh, checkpoint_step,
+                           **dict(model_overrides or {}))
+    else:
+        model = model_or_ckpt
+    mcfg = model.config
+    if len(tok) > mcfg.vocab_size:
+        raise ValueError(f"tokenizer has {len(tok)} tokens, more than the model's "
+                         f"vocab_size {mcfg.vocab_size}")
+    graphdef, state = nnx.split(model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stop_ids = stop_token_ids(tok, mcfg.vocab_size)
+    sampler = Sampler(graphdef, mesh=mesh, pad_id=pad_id, max_prompt_len=max_prompt_len)
+    scorers = _Scorers(math_reward, code_reward)
+    results: dict[str, dict] = {b.name: {} for b in benchmarks}
+    if out_dir:
+        os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
+    try:
+        for s in settings:
+            for b in benchmarks:
+                k = s.num_samples or b.num_samples
+                t0 = time.perf_counter()
+                texts, rewards, correct, pass_rate, lengths, trunc = _sample_and_score(
+                    sampler, state, tok, problems[b.name], b, s, k, stop_ids, seed,
+                    batch_prompts, samples_per_call, scorers)
+                dt = time.perf_counter() - t0
+                m = {"kind": b.kind, **em.summarize(correct, pass_rate, rewards, lengths, trunc),
+                     "time_s": dt, "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
+                results[b.name][s.name] = m
+                if log:
+                    log(f"[eval] {b.name} / {s.name}: avg@{k} {m['accuracy']:.4f}  pass_rate "
+                        f"{m['pass_rate']:.4f}  pass@{k} {m['pass@k'][str(k)]:.4f}  ({dt:.1f} s)")
+                if out_dir:
+                    _write_samples(os.path.join(out_dir, "samples", f"{b.name}__{s.name}.jsonl"),
+                                   b, s, problems[b.name], texts, rewards, correct, pass_rate,
+                                   lengths, trunc)
+    finally:
+        scorers.close()
+    out = {
+        "checkpoint": os.fspath(ckpt_path) if ckpt_path else None,
+        "model": json.loads(json.dumps(dataclasses.asdict(mcfg))), "seed": int(seed),
+        "max_prompt_len": int(max_prompt_len),
+        "settings": {s.name: {**{f: getattr(s, f) for f in ("temperature", "top_p", "top_k",
+                                                             "repetition_penalty",
+                                                             "max_new_tokens", "num_samples")},
+                              "greedy": s.sampling_params(1).greedy} for s in settings},
+        "benchmarks": {b.name: {"kind": b.kind, "path": b.path, "num_problems": len(problems[b.name]),
+                                "num_samples": b.num_samples} for b in benchmarks},
+        "results": results, "wall_time_s": time.perf_counter() - t_start}
+    if out_dir:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(out, f, indent=2)
+    if log:
+        log(em.format_table(results))
+    return out
+
+
+def _write_samples(path, b, s, problems, texts, rewards, correct, pass_rate, lengths, trunc):
+    with open(path, "w") as f:
+        for p, prob in enumerate(problems):
+            for j in range(len(texts[p])):
+                f.write(json.dumps({
+                    "benchmark": b.name, "setting": s.name, "problem_id": prob.id,
+                    "line": prob.line, "sample": j, "response": texts[p][j],
+                    "reward": float(rewards[p, j]), "correct": bool(correct[p, j]),
+                    "pass_rate": float(pass_rate[p, j]), "length": int(lengths[p, j]),
+                    "truncated": bool(trunc[p, j])}) + "\n")
+
+
+# ------------------------------------------------------------------------------ CLI
+def run(cfg) -> dict:
+    """Validates ``cfg`` (``eval_config.eval_base`` schema) and evaluates."""
+    import jax
+    from klear_jax import eval_config as ec
+    from klear_jax import sharding as shd
+    ec.validate_eval_config(cfg, jax.device_count())
+    mesh = shd.mesh_from_config(cfg.mesh)
+    out_dir = cfg.out_dir or os.path.join(cfg.checkpoint, "eval")
+    return evaluate(cfg.checkpoint, cfg.tokenizer or None, ec.benchmarks_from_config(cfg),
+                    ec.settings_from_config(cfg), mesh=mesh, out_dir=out_dir, seed=cfg.seed,
+                    max_prompt_len=cfg.sampling.max_prompt_len,
+                    batch_prompts=cfg.sampling.batch_prompts,
+                    samples_per_call=cfg.sampling.samples_per_call,
+                    math_reward=ec.math_reward_config(cfg), code_reward=ec.code_reward_config(cfg),
+                    checkpoint_step=cfg.checkpoint_step, model_overrides=ec.model_overrides(cfg))
+
+
+def main(argv):
+    del argv
+    from absl import flags
+    from klear_jax import config_utils
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        run(flags.FLAGS.config)
+    except (config_utils.ConfigError, R.RecordError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file",
+                                    lock_config=True)
+    flags.mark_flags_as_required(["config"])
+    app.run(lambda argv: sys.exit(main(argv)))

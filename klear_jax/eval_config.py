@@ -1,0 +1,158 @@
+"""The eval config schema (``python -m klear_jax.eval``), validation, and its conversions.
+
+Config files (``configs/eval_*.py``) call ``eval_base()``, then add benchmarks and sampling
+settings with ``add_benchmark`` / ``add_setting``; the result is locked, so a typo fails
+naming the key.
+
+    checkpoint              str   Orbax checkpoint (params-only, or an SFT / RL workdir) or a
+                                  HF dir (config.json + safetensors)
+    checkpoint_step         int   Orbax step (-1 = latest)
+    tokenizer               str   tokenizer dir ("" = the HF dir's, or the data.tokenizer of
+                                  the run config saved with the checkpoint)
+    out_dir                 str   results.json + samples/ ("" = CHECKPOINT/eval)
+    seed                    int   sampling seed
+    mesh.{data,fsdp,tensor} int   as in training (config_utils)
+    model.dtype / param_dtype str compute / storage dtype the parameters are loaded in
+    model.attention_impl    str   "xla" | "splash"
+    model.rope_scaling_factor float  YaRN factor applied at load (0 = keep the checkpoint's)
+    model.original_max_position_embeddings int  YaRN's original context (required with a
+                                  factor); max_position_embeddings becomes factor x this
+    sampling.max_prompt_len int   longest prompt (a longer one is an error, never dropped)
+    sampling.batch_prompts  int   prompts per sampler call (0 = the whole benchmark)
+    sampling.samples_per_call int samples per prompt per call (0 = all k); rows per call
+                                  = batch_prompts x samples_per_call bound the KV cache
+    benchmarks.<name>.path  str   JSONL file ("" = skip this benchmark)
+    benchmarks.<name>.kind  str   "math" | "code"
+    benchmarks.<name>.num_samples int  k per problem
+    benchmarks.<name>.prompt_template str  wraps the problem; must contain {problem}
+    settings.<name>.{temperature, top_p, top_k, repetition_penalty, max_new_tokens}
+                                  sampling (temperature 0 = greedy; top_k 0 = off)
+    settings.<name>.num_samples int  k for every benchmark (0 = the benchmark's)
+    reward.math.*           klear_jax.rewards.MathRewardConfig fields (as in RL)
+    reward.code.*           CodeRewardConfig format penalties + sandbox limits (as in RL;
+                            the mode is always "soft": accuracy = all tests pass)
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from klear_jax import config_utils as cu
+from klear_jax.config_utils import ConfigError, _get, _int, _need, _num
+
+
+def eval_base() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.checkpoint = ""
+    c.checkpoint_step = -1
+    c.tokenizer = ""
+    c.out_dir = ""
+    c.seed = 0
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    c.model = dict(dtype="float32", param_dtype="float32", attention_impl="xla",
+                   rope_scaling_factor=0.0, original_max_position_embeddings=0)
+    c.sampling = dict(max_prompt_len=4096, batch_prompts=0, samples_per_call=0)
+    c.benchmarks = ml_collections.ConfigDict()
+    c.settings = ml_collections.ConfigDict()
+    c.reward = dict(
+        math=dict(correct=1.0, wrong=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
+                  require_open_think=True, num_workers=2, deadline_s=10.0, verify_timeout_s=5),
+        code=dict(no_code=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
+                  require_open_think=True, timeout_s=35.0, max_tests=16, memory_mb=1024,
+                  num_slots=0, allow_unsandboxed=False))
+    return c
+
+
+def add_benchmark(c, name: str, kind: str, num_samples: int, path: str = "",
+                  prompt_template: str = "{problem}") -> None:
+    c.benchmarks[name] = dict(path=path, kind=kind, num_samples=num_samples,
+                              prompt_template=prompt_template)
+
+
+def add_setting(c, name: str, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                repetition_penalty: float = 1.0, max_new_tokens: int = 1024,
+                num_samples: int = 0) -> None:
+    c.settings[name] = dict(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                            repetition_penalty=float(repetition_penalty),
+                            max_new_tokens=max_new_tokens, num_samples=num_samples)
+
+
+def validate_eval_config(c, num_devices: int | None = None) -> None:
+    """Raises ConfigError naming the first bad key. Touches no file data."""
+    from klear_jax.eval import KINDS
+    _need(isinstance(c.checkpoint, str) and c.checkpoint != "", "checkpoint",
+          "must be an Orbax checkpoint or HF directory (--config.checkpoint=DIR)")
+    _int(c, "checkpoint_step", lo=-1)
+    _int(c, "seed", lo=0)
+    cu.validate_mesh(c, num_devices)
+    for k in ("dtype", "param_dtype"):
+        _need(c.model[k] in cu.DTYPES, f"model.{k}", f"unknown dtype {c.model[k]!r}; "
+              f"allowed {cu.DTYPES}")
+    f = _num(c, "model.rope_scaling_factor", lo=0)
+    o = _int(c, "model.original_max_position_embeddings", lo=0)
+    _need(f == 0 or f >= 1, "model.rope_scaling_factor", f"must be 0 (off) or >= 1, got {f}")
+    _need(f == 0 or o > 0, "model.original_max_position_embeddings",
+          "required (> 0) with model.rope_scaling_factor")
+    _int(c, "sampling.max_prompt_len", lo=1)
+    _int(c, "sampling.batch_prompts", lo=0)
+    _int(c, "sampling.samples_per_call", lo=0)
+    for name in c.benchmarks:
+        b = f"benchmarks.{name}"
+        _need(isinstance(_get(c, f"{b}.path"), str), f"{b}.path", "must be a string")
+        _need(_get(c, f"{b}.kind") in KINDS, f"{b}.kind", f"must be one of {KINDS}")
+        _int(c, f"{b}.num_samples", lo=1)
+        _need("{problem}" in _get(c, f"{b}.prompt_template"), f"{b}.prompt_template",
+              "must contain {problem}")
+    _need(any(c.benchmarks[n].path for n in c.benchmarks), "benchmarks",
+          "no benchmark has a path: set --config.benchmarks.<name>.path=FILE.jsonl "
+          f"(names: {sorted(c.benchmarks)})")
+    _need(len(c.settings) > 0, "settings", "needs at least one sampling setting")
+    for name in c.settings:
+        s = f"settings.{name}"
+        _num(c, f"{s}.temperature", lo=0)
+        _num(c, f"{s}.top_p", lo=0, hi=1, open_lo=True)
+        _int(c, f"{s}.top_k", lo=0)
+        _num(c, f"{s}.repetition_penalty", lo=0, open_lo=True)
+        _int(c, f"{s}.max_new_tokens", lo=1)
+        _int(c, f"{s}.num_samples", lo=0)
+    for kind, make in (("math", math_reward_config), ("code", code_reward_config)):
+        try:
+            make(c)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"reward.{kind}", str(e)) from None
+
+
+def benchmarks_from_config(c):
+    from klear_jax.eval import Benchmark
+    return [Benchmark(name=n, **c.benchmarks[n].to_dict()) for n in c.benchmarks
+            if c.benchmarks[n].path]
+
+
+def settings_from_config(c):
+    from klear_jax.eval import Setting
+    return [Setting(name=n, **c.settings[n].to_dict()) for n in c.settings]
+
+
+def model_overrides(c) -> dict:
+    """ModelConfig fields applied at load (dtypes, attention, YaRN)."""
+    m = c.model
+    out = {"dtype": m.dtype, "param_dtype": m.param_dtype, "attention_impl": m.attention_impl}
+    if m.rope_scaling_factor:
+        o = int(m.original_max_position_embeddings)
+        out["rope_scaling"] = {"factor": float(m.rope_scaling_factor),
+                               "original_max_position_embeddings": o}
+        out["max_position_embeddings"] = int(round(m.rope_scaling_factor * o))
+    return out
+
+
+def math_reward_config(c):
+    from klear_jax.rewards import MathRewardConfig
+    return MathRewardConfig(**c.reward.math.to_dict())
+
+
+def code_reward_config(c):
+    from klear_jax.rewards import CodeRewardConfig, SandboxConfig
+    from klear_jax.rl_config import CODE_SANDBOX_KEYS
+    d = c.reward.code.to_dict()
+    sandbox = SandboxConfig(**{k: d.pop(k) for k in CODE_SANDBOX_KEYS})
+    return CodeRewardConfig(sandbox=sandbox, mode="soft", **d)
