@@ -121,6 +121,12 @@ class TrainCheckpointer:
     def latest_step(self) -> int | None:
         return self.mngr.latest_step()
 
+    def model_config(self, step: int | None = None, **overrides):
+        """The ModelConfig saved with ``step`` (latest by default)."""
+        step = self.latest_step() if step is None else step
+        d = self.mngr.restore(step, args=ocp.args.Composite(model_config=ocp.args.JsonRestore()))
+        return model_config_from_dict(d["model_config"], **overrides)
+
     def save(self, state, *, data_iter: Mapping | None = None, rng=None, config=None,
              model_config=None, force: bool = True) -> None:
         """Starts an (async) save of everything at ``int(state.step)``."""

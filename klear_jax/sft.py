@@ -27,13 +27,18 @@ from klear_jax import sharding as shd
 log = logging.getLogger("klear_jax.sft")
 
 
+def runtime_fields(cfg) -> dict:
+    """ModelConfig fields the run's config decides even when shapes come from a checkpoint."""
+    return {k: cfg.model[k] for k in ("dtype", "param_dtype", "remat_policy",
+                                      "attention_impl", "logprob_chunk_size")}
+
+
 def build_model(cfg, mesh):
     """(model, ModelConfig) per ``cfg.init`` (scratch / hf / orbax)."""
     from klear_jax.models import ModelConfig, create_model, from_hf
     m = config_utils.model_kwargs(cfg.model)
     src = cfg.init.source
-    runtime = {k: m[k] for k in ("dtype", "param_dtype", "remat_policy", "attention_impl",
-                                 "logprob_chunk_size")}
+    runtime = runtime_fields(cfg)
     if src == "scratch":
         model = create_model(ModelConfig(**m), seed=cfg.seed, mesh=mesh)
     elif src == "hf":
@@ -64,15 +69,19 @@ def run(cfg) -> dict:
     shd.initialize_distributed()
     config_utils.validate_sft_config(cfg, jax.device_count())
     mesh = shd.mesh_from_config(cfg.mesh)
-    model, model_cfg = build_model(cfg, mesh)
     optimizer, schedule = optim.make_optimizer(cfg.optim, cfg.train.total_steps)
-    graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
-    del model
     checkpointer = ckpt.TrainCheckpointer(cfg.workdir, keep=cfg.checkpoint.keep,
                                           async_save=cfg.checkpoint.async_save)
     data_state = None
-    if checkpointer.latest_step() is not None:
-        state, data_state, _ = checkpointer.restore(ckpt.abstract_like(state, shardings))
+    if checkpointer.latest_step() is None:
+        model, model_cfg = build_model(cfg, mesh)
+        graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
+        del model
+    else:  # resume: shapes from the checkpoint; init weights (e.g. HF) are not read again
+        model_cfg = checkpointer.model_config(**runtime_fields(cfg))
+        graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
+        abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
+        state, data_state, _ = checkpointer.restore(abstract_state)
         log.info("resumed from %s at step %d", checkpointer.dir, int(state.step))
     data = build_data(cfg, data_state)
     step_fn = ts.make_train_step(graphdef, optimizer, ts.make_sft_loss_fn(cfg.train.loss_agg),

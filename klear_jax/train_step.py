@@ -86,6 +86,19 @@ def state_shardings(params_sh: Any, optimizer: optax.GradientTransformation,
                       opt_state=opt_state_shardings(optimizer, abstract_opt, params_sh, rep))
 
 
+def abstract_train_state(abstract_params: Any, optimizer: optax.GradientTransformation,
+                         mesh: Mesh) -> tuple[TrainState, TrainState]:
+    """(TrainState of ShapeDtypeStructs carrying shardings, the shardings) from abstract
+    params that carry their target shardings (``checkpoint.abstract_model``): the restore
+    target when resuming, and the input of ahead-of-time compilation."""
+    p_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
+    sh = state_shardings(p_sh, optimizer, abstract_params, mesh)
+    scalar = lambda: jax.ShapeDtypeStruct((), jnp.int32, sharding=sh.step)
+    opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(optimizer.init, abstract_params), sh.opt_state)
+    return TrainState(step=scalar(), skipped=scalar(), params=abstract_params, opt_state=opt), sh
+
+
 def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh
                      ) -> tuple[nnx.GraphDef, TrainState, TrainState]:
     """(graphdef, state placed on the mesh, state shardings) for a (possibly sharded) model."""
