@@ -1,0 +1,105 @@
+"""The CPU demo (``python -m klear_jax.demo``): SFT -> GPPO -> eval of a small Qwen3 model.
+
+One file, big_vision style; the variant string picks the stage and size:
+
+    configs/demo.py:stage=sft            SFT config (klear_jax.sft)
+    configs/demo.py:stage=rl             GPPO config (klear_jax.rl)
+    configs/demo.py:stage=rl,size=tiny   the miniature used by tests/test_demo.py
+
+The demo fills in workdir / data / init paths itself; to run a stage by hand, pass them:
+
+    python -m klear_jax.sft --config=configs/demo.py:stage=sft --config.workdir=W/sft \
+        --config.data.dir=W/tfds --config.data.name=demo_sft
+    python -m klear_jax.rl --config=configs/demo.py:stage=rl --config.workdir=W/rl_math \
+        --config.data.dir=W/tfds --config.data.name=demo_rl_math \
+        --config.data.tokenizer=W/tokenizer --config.init.source=orbax \
+        --config.init.path=W/sft/checkpoints
+
+``demo_settings(size)`` holds the non-trainer knobs (task sizes, teacher error rates,
+evaluation k / temperatures) so that the demo and its tests read them from one place.
+"""
+
+import ml_collections
+
+from klear_jax import config_utils, rl_config
+
+SIZES = {
+    # hidden, layers, heads, kv heads, head_dim, mlp, vocab
+    "default": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                    intermediate_size=384, vocab=512),
+    "tiny": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                 intermediate_size=64, vocab=384),
+}
+
+
+def demo_settings(size: str = "default") -> ml_collections.ConfigDict:
+    """Task / teacher / evaluation settings of the demo (not trainer configs)."""
+    tiny = size == "tiny"
+    return ml_collections.ConfigDict(dict(
+        n_sft=300 if tiny else 6000, n_rl=64 if tiny else 2000, n_eval=8 if tiny else 64,
+        math_error=0.3, code_error=0.3, code_frac=0.4, num_ops=(2, 3), num_tests=4,
+        vocab=SIZES[size]["vocab"],
+        # code RL: fewer prompts per step (each response runs num_tests sandboxed programs)
+        code_rl_steps=2 if tiny else 15,
+        code_rl_overrides=("rollout.prompts_per_step=8", "train.batch_prompts=8"),
+        eval_k=4, eval_temperatures=(1.0, 0.6), eval_top_p=1.0, eval_max_new_tokens=48,
+        ablation_seeds=3, ablation_losses=("gppo", "clip", "cispo"),
+        ablation_code_modes=("soft", "all_or_nothing"), ablation_minibatches=8))
+
+
+def _model(c, size):
+    s = SIZES[size]
+    c.model.update(vocab_size=s["vocab"], hidden_size=s["hidden_size"],
+                   intermediate_size=s["intermediate_size"], num_layers=s["num_layers"],
+                   num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
+                   head_dim=s["head_dim"], max_position_embeddings=256, rope_theta=10000.0,
+                   dtype="float32", param_dtype="float32", logprob_chunk_size=64,
+                   tie_word_embeddings=True)
+
+
+def sft_config(size: str, steps: int) -> ml_collections.ConfigDict:
+    c = config_utils.sft_base()
+    c.seed = 0
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    _model(c, size)
+    c.data.update(num_epochs=0, name="demo_sft")
+    c.train.update(total_steps=steps or (6 if size == "tiny" else 250),
+                   batch_size=8 if size == "tiny" else 32, seq_len=128, num_microbatches=1,
+                   log_every=10 if size != "tiny" else 1)
+    c.optim.update(lr=3e-3, end_lr=1e-4, schedule="cosine", warmup_steps=30,
+                   weight_decay=0.0, clip_norm=1.0)
+    c.checkpoint.update(every_steps=100000, keep=1, async_save=False)
+    return c
+
+
+def rl_config_(size: str, steps: int) -> ml_collections.ConfigDict:
+    c = rl_config.rl_base()
+    c.seed = 0
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    _model(c, size)
+    c.init.update(source="orbax")
+    c.data.update(num_epochs=0, name="demo_rl_math")
+    tiny = size == "tiny"
+    c.rollout.update(prompts_per_step=8 if tiny else 16, group_size=8, temperature=1.0,
+                     top_p=1.0, max_prompt_len=64, max_new_tokens=48, sample_chunk_prompts=0)
+    c.train.update(total_steps=steps or (2 if tiny else 30), batch_prompts=8 if tiny else 16,
+                   num_minibatches=2, num_microbatches=1, length_bucket=0,
+                   max_consecutive_skips=5, log_every=1)
+    c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, dual_clip=10.0, sft_alpha=0.1)
+    c.reward.math.update(num_workers=1, deadline_s=10.0)
+    c.reward.code.update(mode="soft", timeout_s=5.0, max_tests=4, memory_mb=512)
+    c.optim.update(lr=2e-4, end_lr=2e-4, schedule="constant", warmup_steps=0,
+                   weight_decay=0.0, clip_norm=1.0)
+    c.checkpoint.update(every_steps=100000, keep=1, async_save=False)
+    return c
+
+
+def get_config(arg=None):
+    a = config_utils.parse_arg(arg, stage="sft", size="default", steps=0)
+    if a.size not in SIZES:
+        raise ValueError(f"configs/demo.py: unknown size {a.size!r}; allowed {sorted(SIZES)}")
+    if a.stage == "sft":
+        return sft_config(a.size, a.steps)
+    if a.stage == "rl":
+        return rl_config_(a.size, a.steps)
+    raise ValueError(f"configs/demo.py: unknown stage {a.stage!r}; allowed ('sft', 'rl')")
