@@ -1,0 +1,211 @@
+"""Fixed benchmark workloads: ``python -m klear_jax.bench --out FILE.json``.
+
+Workloads (each in its own fresh subprocess, same thread settings), default model
+``bench-small`` (Qwen3 shape, random weights, float32, untied embeddings; see ``model_config``):
+
+    train      the real jitted RL train step (GPPO + positive-SFT loss, AdamW) on B x T
+               tokens: tokens/s (median of >= 5 steps after warm-up), compile time, peak
+               memory (compiled memory_analysis + process peak RSS), MFU against JAX's own
+               float32 matmul peak measured in the same process.
+    sample     the real Sampler (temperature 1): 8 prompts x 64 tokens, 256 new tokens:
+               generated tokens/s, time to first token, decode cost per step at 64 vs 1024
+               cached positions.
+    scale      train tokens/s at 512 / 2048 / 8192 tokens per row (B = 4096 // T rows, at
+               least 1, remat "full" so the 8192 row fits), compile time at 2 / 8 / 32 layers.
+    reference  transformers' PyTorch Qwen3, same shape and batch (``bench_reference``).
+
+The workloads live in ``bench_workloads`` (and the torch side in ``bench_reference``); this
+module runs each in a fresh process, computes the ratios, checks the targets and prints
+the table. Results: docs/performance.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from klear_jax.bench_workloads import (model_config, rl_batch, run_reference_workload,  # noqa: F401
+                                       run_sample, run_scale, run_train, sizes,
+                                       train_flops_per_token)
+
+WORKLOADS = ("train", "sample", "reference", "scale")
+
+
+# ----------------------------------------------------------------------------- driver
+TARGETS = (  # (name, value path, comparison, threshold)
+    ("train_vs_reference", ">=", 1.0),
+    ("train_mfu_vs_jax_peak", ">=", 0.7),
+    ("sample_vs_reference", ">=", 1.5),
+    ("decode_cost_1024_vs_64", "<=", 1.5),
+    ("compile_32_vs_2_layers", "<=", 1.5),
+)
+
+
+def _threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def worker_env(threads: int) -> dict:
+    """The environment every workload process gets: CPU JAX with one device, the same
+    intra-op thread count for XLA (Eigen pool = all cores) and torch (set explicitly)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2")
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def run_worker(name: str, quick: bool, threads: int) -> dict:
+    fns = {"train": run_train, "sample": run_sample, "scale": run_scale,
+           "reference": lambda q: run_reference_workload(q, threads)}
+    t0 = time.perf_counter()
+    out = fns[name](quick)
+    out["wall_s"] = time.perf_counter() - t0
+    if name != "reference":
+        import jax
+        out["jax_version"] = jax.__version__
+        out["jax_devices"] = [str(d) for d in jax.devices()]
+    return out
+
+
+def spawn(name: str, quick: bool, threads: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"{name}.json")
+        cmd = [sys.executable, "-m", "klear_jax.bench", "--worker", name, "--worker-out", path,
+               "--threads", str(threads)] + (["--quick"] if quick else [])
+        p = subprocess.run(cmd, env=worker_env(threads), capture_output=True, text=True,
+                           timeout=timeout)
+        if p.returncode != 0 or not os.path.exists(path):
+            return {"error": f"workload {name!r} exited with {p.returncode}",
+                    "stderr_tail": p.stderr[-3000:]}
+        with open(path) as f:
+            return json.load(f)
+
+
+def machine_info(threads: int) -> dict:
+    import platform
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "threads": threads,
+            "xla_threads": f"{threads} (XLA CPU intra-op pool: all cores in affinity)",
+            "torch_threads": threads, "loadavg_1m": os.getloadavg()[0]}
+
+
+def ratios(res: dict) -> dict:
+    g = lambda w, k: (res.get(w) or {}).get(k)
+    out = {}
+    tr, ref, sm, sc = g("train", "tokens_per_s"), g("reference", "train_tokens_per_s"), \
+        g("sample", "tokens_per_s"), g("scale", "compile_ratio")
+    if tr and ref:
+        out["train_vs_reference"] = tr / ref
+    if g("train", "mfu"):
+        out["train_mfu_vs_jax_peak"] = g("train", "mfu")
+    if sm and g("reference", "generate_tokens_per_s"):
+        out["sample_vs_reference"] = sm / g("reference", "generate_tokens_per_s")
+    if g("sample", "decode_cost_ratio"):
+        out["decode_cost_1024_vs_64"] = g("sample", "decode_cost_ratio")
+    if sc:
+        out["compile_32_vs_2_layers"] = sc
+    if g("train", "matmul") and g("reference", "matmul"):
+        out["jax_vs_torch_matmul_peak"] = (res["train"]["matmul"]["peak_flops"]
+                                          / res["reference"]["matmul"]["peak_flops"])
+    return out
+
+
+def targets(r: dict) -> dict:
+    out = {}
+    for name, op, thr in TARGETS:
+        if name in r:
+            v = r[name]
+            out[name] = {"value": v, "target": f"{op} {thr}",
+                         "met": bool(v >= thr if op == ">=" else v <= thr)}
+    return out
+
+
+def table(res: dict) -> str:
+    lines = []
+    add = lambda k, v: lines.append(f"  {k:<44s} {v}")
+    t, s, sc, ref = (res.get(k) or {} for k in ("train", "sample", "scale", "reference"))
+    for w in WORKLOADS:
+        if "error" in (res.get(w) or {}):
+            add(f"{w}: ERROR", res[w]["error"])
+    if "tokens_per_s" in t:
+        lines.append(f"train (B={t['batch']} x T={t['seq_len']}, GPPO, AdamW)")
+        add("tokens/s (median)", f"{t['tokens_per_s']:.0f}")
+        add("MFU vs JAX f32 matmul peak", f"{t['mfu']:.1%} (peak {t['matmul']['peak_flops']/1e9:.1f} GFLOP/s)")
+        add("compile s", f"{t['compile_s']:.1f}")
+        add("peak memory (compiled est / process RSS) MiB",
+            f"{t['memory'].get('peak_estimate', 0)/2**20:.0f} / {t['peak_rss_bytes']/2**20:.0f}")
+    if "tokens_per_s" in s:
+        lines.append(f"sample ({s['prompts']} x {s['prompt_len']} prompt, {s['new_tokens']} new)")
+        add("generated tokens/s", f"{s['tokens_per_s']:.0f}")
+        add("time to first token s", f"{s['ttft_s']:.3f}")
+        for c, v in s["decode_step_s"].items():
+            add(f"decode step ms at {c} cached", f"{v*1e3:.2f}")
+    if "seq" in sc:
+        lines.append(f"scale ({sc['rows']})")
+        for r in sc["seq"]:
+            add(f"T={r['seq_len']} B={r['batch']} tokens/s", f"{r['tokens_per_s']:.0f}")
+        for r in sc["compile"]:
+            add(f"compile s at {r['num_layers']} layers", f"{r['compile_s']:.1f}")
+    if "train_tokens_per_s" in ref:
+        lines.append("reference (transformers PyTorch Qwen3)")
+        add("train tokens/s", f"{ref['train_tokens_per_s']:.0f}")
+        add("MFU vs torch f32 matmul peak", f"{ref['mfu']:.1%} (peak {ref['matmul']['peak_flops']/1e9:.1f} GFLOP/s)")
+        add("generate tokens/s", f"{ref['generate_tokens_per_s']:.0f}")
+        add("time to first token s", f"{ref['ttft_s']:.3f}")
+    lines.append("targets")
+    for k, v in res.get("targets", {}).items():
+        add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description="klear_jax benchmarks (see module docstring)")
+    p.add_argument("--out", help="write all results as JSON here")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated subset of {WORKLOADS}")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    p.add_argument("--threads", type=int, default=_threads())
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per workload")
+    p.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        res = run_worker(a.worker, a.quick, a.threads)
+        with open(a.worker_out, "w") as f:
+            json.dump(res, f)
+        return res
+    names = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad:
+        p.error(f"--workloads: unknown {bad}; choose from {WORKLOADS}")
+    res = {"workload": "bench-quick" if a.quick else "bench-small",
+           "model": dict(sizes(a.quick)["model"], dtype="float32"),
+           "command": "python -m klear_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
+    for w in names:
+        t0 = time.perf_counter()
+        res[w] = spawn(w, a.quick, a.threads, a.timeout)
+        print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    res["machine"] = machine_info(a.threads)
+    res["ratios"] = ratios(res)
+    res["targets"] = targets(res["ratios"])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+    print(table(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The PyTorch reference for ``klear_jax.bench``: transformers' Qwen3 on the same CPU.
+
+Same model shape as the JAX workload (random init, float32, untied embeddings, sdpa
+attention), same batch, AdamW. The train loss is a PPO-style clipped surrogate on the
+per-token log-probabilities (the same masks, advantages and asymmetric clip range as the
+GPPO workload; the clipped-gradient details of GPPO change no FLOPs) plus 0.1 x the NLL of
+the positive rows, so both sides do the same work: full logits [B, T, V], log-softmax,
+gather, backward, optimizer update. ``generate`` samples (temperature 1, no top-k/top-p)
+with ``use_cache=True`` and ``min_new_tokens`` = ``max_new_tokens``, so every row decodes
+every token, as the JAX sampler does with no stop tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+def torch_matmul_peak(n: int, reps: int) -> dict:
+    """float32 [n, n] @ [n, n] throughput: best and median of ``reps`` timed calls."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g)
+    b = torch.randn(n, n, generator=g)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    flops = 2.0 * n ** 3
+    return {"n": n, "peak_flops": flops / min(times),
+            "median_flops": flops / statistics.median(times)}
+
+
+def make_model(cfg):
+    """transformers Qwen3ForCausalLM with the shape of ``cfg`` (a klear_jax ModelConfig)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    hf = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                     intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                     num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                     rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False,
+                     max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    hf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(hf).float()
+
+
+def train_loss(model, batch, eps_low=0.2, eps_high=0.28, sft_alpha=0.1):
+    import torch
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
+    logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][..., None])[..., 0]
+    m = batch["loss_mask"]
+    ratio = torch.exp(logp - batch["old_logp"])
+    adv = batch["advantages"][:, None]
+    pg = -torch.minimum(adv * ratio, adv * ratio.clamp(1 - eps_low, 1 + eps_high))
+    pos = batch["positive"][:, None] * m
+    return ((pg * m).sum() / m.sum().clamp(min=1)
+            + sft_alpha * (-logp * pos).sum() / pos.sum().clamp(min=1))
+
+
+def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, steps: int,
+                  matmul_n: int, matmul_reps: int, threads: int) -> dict:
+    """Reference train tokens/s + MFU vs torch's matmul peak, generate tokens/s + TTFT."""
+    import torch
+    import transformers
+    torch.set_num_threads(threads)
+    out = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+           "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa",
+           "loss": "ppo-clip surrogate on token logprobs + 0.1 x positive-row NLL"}
+    out["matmul"] = torch_matmul_peak(matmul_n, matmul_reps)
+    model = make_model(cfg)
+    batch = {k: torch.from_numpy(np.asarray(v)) for k, v in batch_np.items()}
+    for k in ("input_ids", "targets"):
+        batch[k] = batch[k].long()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
+        batch["old_logp"] = torch.log_softmax(logits, -1).gather(
+            -1, batch["targets"][..., None])[..., 0].detach()
+        del logits
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = train_loss(model, batch)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    step()  # warm-up (allocator, AdamW state)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    B, T = batch["input_ids"].shape
+    med = statistics.median(times)
+    out["train_step_s"] = med
+    out["train_step_times_s"] = times
+    out["train_tokens_per_s"] = B * T / med
+    out["n_params"] = sum(p.numel() for p in model.parameters())
+
+    ids = torch.from_numpy(np.asarray(prompts)).long()
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+              top_p=1.0, use_cache=True, pad_token_id=0)
+    model.eval()
+
+    def gen(n):
+        t0 = time.perf_counter()
+        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        dt = time.perf_counter() - t0
+        assert o.shape[1] == ids.shape[1] + n, o.shape
+        return dt
+
+    gen(2)  # warm-up
+    ttft = statistics.median(gen(1) for _ in range(3))
+    g = [gen(new_tokens) for _ in range(2)]
+    out["generate_s"] = statistics.median(g)
+    out["generate_tokens_per_s"] = ids.shape[0] * new_tokens / out["generate_s"]
+    out["ttft_s"] = ttft
+    out["decode"] = "sampling T=1, no top-k/top-p, use_cache=True"
+    return out

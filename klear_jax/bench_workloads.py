@@ -1,0 +1,290 @@
+"""The workloads of ``klear_jax.bench`` (one per subprocess); see that module's docstring.
+
+Model FLOPs (analytic, XLA's cost analysis undercounts scanned layers): per token,
+3 x (2 N + 2 D V + 4 L H hd T / 2), N = matmul parameters of the layers (norms excluded),
+D V the LM head, the last term causal attention (QK^T and PV over T/2 keys on average);
+x3 = forward + backward.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import numpy as np
+
+FULL = dict(model=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
+                       num_heads=8, num_kv_heads=4, head_dim=64),
+            batch=8, seq=512, steps=5, prompts=8, prompt_len=64, new_tokens=256,
+            decode_ctx=(64, 1024), decode_delta=64, scale_seqs=(512, 2048, 8192),
+            scale_tokens=4096, scale_steps=2, compile_layers=(2, 8, 32), matmul_n=2048,
+            matmul_reps=10)
+QUICK = dict(model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16),
+             batch=2, seq=32, steps=5, prompts=2, prompt_len=8, new_tokens=8,
+             decode_ctx=(8, 32), decode_delta=7, scale_seqs=(16, 32), scale_tokens=32,
+             scale_steps=1, compile_layers=(1, 2), matmul_n=128, matmul_reps=3)
+
+
+def sizes(quick: bool) -> dict:
+    return QUICK if quick else FULL
+
+
+def model_config(quick: bool = False, **overrides):
+    from klear_jax.models import ModelConfig
+    kw = dict(sizes(quick)["model"], dtype="float32", param_dtype="float32",
+              tie_word_embeddings=False, remat_policy="none")
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def train_flops_per_token(cfg, T: int) -> float:
+    """Analytic model FLOPs per trained token at row length T (module docstring)."""
+    D, F, H, K, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim)
+    n = cfg.num_layers * (2 * D * H * hd + 2 * D * K * hd + 3 * D * F)
+    attn = cfg.num_layers * 4 * H * hd * T / 2
+    return 3.0 * (2 * n + 2 * D * cfg.vocab_size + attn)
+
+
+def rl_batch(cfg, B: int, T: int, seed: int = 0) -> dict:
+    """A synthetic RL mini-batch [B, T] in ``rl_batch``'s layout: a 1/8 prompt, the rest the
+    response; advantages +-1 per row, positive = advantage > 0; sampler_logp zeros."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    mask = np.zeros((B, T), np.float32)
+    mask[:, max(T // 8, 1) - 1:] = 1.0
+    adv = np.where(np.arange(B) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    return {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": mask,
+            "segment_ids": np.ones((B, T), np.int32), "advantages": adv,
+            "positive": adv > 0, "sampler_logp": np.zeros((B, T), np.float32)}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def jax_matmul_peak(n: int, reps: int) -> dict:
+    """float32 [n, n] @ [n, n] throughput of a jitted jnp.dot: best and median of ``reps``."""
+    import jax
+    import jax.numpy as jnp
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32)
+    b = jax.random.normal(kb, (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    flops = 2.0 * n ** 3
+    return {"n": n, "peak_flops": flops / min(times),
+            "median_flops": flops / statistics.median(times)}
+
+
+# ----------------------------------------------------------------------------- train
+def build_train(cfg, B: int, T: int, seed: int = 0, model_old_logp: bool = True):
+    """(run(state) -> (state, metrics), state, compiled, timings) for the real RL train step.
+    old_logp comes from the real old-logprob pass, or is zeros (same step cost, one compile
+    fewer) when ``model_old_logp`` is False."""
+    import jax
+    from klear_jax import rl_loss, sharding as shd, train_step as ts
+    from klear_jax.models import create_model
+    from klear_jax.optim import make_optimizer
+    mesh = shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
+    optimizer, schedule = make_optimizer(dict(lr=1e-6, schedule="constant", warmup_steps=0,
+                                              b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1,
+                                              clip_norm=1.0), total_steps=1000)
+    model = create_model(cfg, seed=seed, mesh=mesh)
+    graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
+    del model
+    loss = rl_loss.make_rl_loss("gppo")
+    step = ts.make_train_step(graphdef, optimizer, loss.loss_fn, mesh, 1, shardings,
+                              schedule=schedule, denom_fn=loss.denom_fn,
+                              loss_weights=loss.loss_weights,
+                              finalize_metrics=loss.finalize_metrics)
+    host = rl_batch(cfg, B, T, seed)
+    bsh = ts.batch_sharding(mesh)
+    batch = {k: jax.device_put(v, bsh) for k, v in host.items()}
+    if model_old_logp:
+        logprob_fn = rl_loss.make_logprob_fn(graphdef, mesh, shardings.params)
+        old_logp, _ = logprob_fn(state.params, batch)
+    else:
+        old_logp = batch["sampler_logp"]
+    batch = {k: v for k, v in batch.items() if k != "sampler_logp"}
+    batch["old_logp"] = old_logp
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+
+    def run(state):
+        with shd.use_mesh(mesh):
+            return compiled(state, batch)
+    return run, state, compiled, {"lower_s": t1 - t0, "compile_s": t2 - t0,
+                                  "xla_compile_s": t2 - t1}
+
+
+def time_train(run, state, warmup: int, steps: int):
+    """(median step seconds, all step times, last metrics)."""
+    import jax
+    for _ in range(warmup):
+        state, m = run(state)
+        jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = run(state)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, {k: float(v) for k, v in m.items()}
+
+
+def memory_stats(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    d = {k: int(getattr(ma, k + "_size_in_bytes", 0) or 0)
+         for k in ("argument", "output", "temp", "alias", "generated_code")}
+    d["peak_estimate"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+    return d
+
+
+def run_train(quick: bool) -> dict:
+    s = sizes(quick)
+    cfg = model_config(quick)
+    mm = jax_matmul_peak(s["matmul_n"], s["matmul_reps"])
+    run, state, compiled, ct = build_train(cfg, s["batch"], s["seq"])
+    med, times, metrics = time_train(run, state, warmup=2, steps=s["steps"])
+    tokens = s["batch"] * s["seq"]
+    flops = train_flops_per_token(cfg, s["seq"]) * tokens
+    return dict(ct, batch=s["batch"], seq_len=s["seq"], step_s=med, step_times_s=times,
+                tokens_per_s=tokens / med, model_flops_per_step=flops,
+                achieved_flops=flops / med, matmul=mm, mfu=flops / med / mm["peak_flops"],
+                memory=memory_stats(compiled), peak_rss_bytes=peak_rss_bytes(),
+                loss=metrics["loss"], remat_policy=cfg.remat_policy,
+                logprob_chunk_size=cfg.logprob_chunk_size)
+
+
+# ----------------------------------------------------------------------------- sample
+def run_sample(quick: bool) -> dict:
+    from flax import nnx
+    from klear_jax.models import create_model
+    from klear_jax.sampler import Sampler, SamplingParams
+    s = sizes(quick)
+    cfg = model_config(quick)
+    graphdef, state = nnx.split(create_model(cfg, seed=0))
+    sampler = Sampler(graphdef, mesh=None, pad_id=0, max_prompt_len=max(s["decode_ctx"]))
+    rng = np.random.default_rng(0)
+    prompts = lambda P: rng.integers(1, cfg.vocab_size, (s["prompts"], P)).tolist()
+
+    cache = {}
+
+    def gen(P, M, reps):
+        """(first-call seconds incl. compile, median of ``reps`` timed calls); memoised."""
+        if (P, M) in cache:
+            return cache[P, M]
+        params = SamplingParams(temperature=1.0, max_new_tokens=M)
+        ps = prompts(P)
+        t0 = time.perf_counter()
+        out = sampler.generate(state, ps, params, seed=0)
+        first = time.perf_counter() - t0
+        assert int(out.lengths.min()) == M, out.lengths
+        ts_ = []
+        for r in range(reps):
+            t0 = time.perf_counter()
+            sampler.generate(state, ps, params, seed=r + 1)
+            ts_.append(time.perf_counter() - t0)
+        cache[P, M] = first, statistics.median(ts_)
+        return cache[P, M]
+
+    N, P, M = s["prompts"], s["prompt_len"], s["new_tokens"]
+    first, t_gen = gen(P, M, 3)
+    _, ttft = gen(P, 1, 3)
+    decode = {}
+    for ctx in s["decode_ctx"]:
+        _, t1 = gen(ctx, 1, 3)
+        _, t2 = gen(ctx, 1 + s["decode_delta"], 3)
+        decode[str(ctx)] = (t2 - t1) / s["decode_delta"]
+    lo, hi = (str(c) for c in s["decode_ctx"])
+    return {"prompts": N, "prompt_len": P, "new_tokens": M, "generate_s": t_gen,
+            "first_call_s": first, "tokens_per_s": N * M / t_gen, "ttft_s": ttft,
+            "decode_step_s": decode, "decode_cost_ratio": decode[hi] / decode[lo],
+            "decode_delta_tokens": s["decode_delta"], "sampling": "temperature 1, no top-k/top-p",
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+# ----------------------------------------------------------------------------- scale
+def compile_time(cfg, B: int, T: int) -> dict:
+    """Lower + compile the real train step from abstract shapes (no parameters allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from klear_jax import rl_loss, sharding as shd, train_step as ts
+    from klear_jax.models import Qwen
+    from klear_jax.optim import make_optimizer
+    mesh = shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
+    optimizer, schedule = make_optimizer(dict(lr=1e-6, schedule="constant", warmup_steps=0,
+                                              b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1,
+                                              clip_norm=1.0), total_steps=1000)
+    abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = ts.split_model(abstract)
+    shardings = ts.state_shardings(ts.params_shardings(abstract, mesh), optimizer, params, mesh)
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    state = ts.TrainState(i32, i32, params, jax.eval_shape(optimizer.init, params))
+    loss = rl_loss.make_rl_loss("gppo")
+    step = ts.make_train_step(graphdef, optimizer, loss.loss_fn, mesh, 1, shardings,
+                              schedule=schedule, denom_fn=loss.denom_fn,
+                              loss_weights=loss.loss_weights,
+                              finalize_metrics=loss.finalize_metrics)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+             for k, v in rl_batch(cfg, B, T).items() if k != "sampler_logp"}
+    batch["old_logp"] = jax.ShapeDtypeStruct((B, T), jnp.float32)
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    return {"num_layers": cfg.num_layers, "lower_s": t1 - t0, "compile_s": t2 - t0}
+
+
+def run_scale(quick: bool) -> dict:
+    s = sizes(quick)
+    rows = []
+    for T in s["scale_seqs"]:
+        cfg = model_config(quick, remat_policy="full")
+        B = max(1, s["scale_tokens"] // T)
+        run, state, compiled, ct = build_train(cfg, B, T, model_old_logp=False)
+        med, times, _ = time_train(run, state, warmup=1, steps=s["scale_steps"])
+        rows.append(dict(seq_len=T, batch=B, step_s=med, step_times_s=times,
+                         tokens_per_s=B * T / med, compile_s=ct["compile_s"],
+                         temp_bytes=memory_stats(compiled).get("temp", 0)))
+        del run, state, compiled
+    compile_time(model_config(quick, num_layers=1), s["batch"], s["seq"])  # warm-up
+    comp = [compile_time(model_config(quick, num_layers=n), s["batch"], s["seq"])
+            for n in s["compile_layers"]]
+    lo, hi = comp[0]["compile_s"], comp[-1]["compile_s"]
+    return {"seq": rows, "compile": comp, "compile_ratio": hi / lo,
+            "rows": f"B = max(1, {s['scale_tokens']} // T); remat_policy=full",
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+# ----------------------------------------------------------------------------- reference
+def run_reference_workload(quick: bool, threads: int) -> dict:
+    from klear_jax.bench_reference import run_reference
+    s = sizes(quick)
+    cfg = model_config(quick)
+    host = rl_batch(cfg, s["batch"], s["seq"])
+    batch = {k: host[k] for k in ("input_ids", "targets", "loss_mask", "advantages")}
+    batch["positive"] = host["positive"].astype(np.float32)
+    prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (s["prompts"], s["prompt_len"]))
+    out = run_reference(cfg, batch, prompts, s["new_tokens"], s["steps"], s["matmul_n"],
+                        s["matmul_reps"], threads)
+    flops = train_flops_per_token(cfg, s["seq"]) * s["batch"] * s["seq"]
+    out["mfu"] = flops / out["train_step_s"] / out["matmul"]["peak_flops"]
+    out["tokens_per_s"] = out["train_tokens_per_s"]
+    out["peak_rss_bytes"] = peak_rss_bytes()
+    return out

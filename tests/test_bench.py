@@ -1,0 +1,105 @@
+"""klear_jax.bench: smoke runs of every workload at --quick sizes (schema + positive numbers;
+no timing assertions), the analytic FLOPs and the ratio / target logic."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from klear_jax import bench
+
+
+def _pos(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _run(tmp_path, workloads):
+    out = tmp_path / "bench.json"
+    res = bench.main(["--quick", "--workloads", workloads, "--out", str(out)])
+    on_disk = json.loads(out.read_text())
+    assert on_disk.keys() == res.keys()
+    for w in workloads.split(","):
+        assert "error" not in on_disk[w], on_disk[w]
+    m = on_disk["machine"]
+    assert m["threads"] >= 1 and m["torch_threads"] == m["threads"]
+    return on_disk
+
+
+def test_train_flops_per_token_bench_small():
+    cfg = bench.model_config()
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.intermediate_size) == (32000, 512, 8, 8, 4, 64, 1536)
+    n_layers = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536)  # q,o + k,v + mlp
+    expect = 3 * (2 * n_layers + 2 * 512 * 32000 + 8 * 4 * 512 * 512 / 2)
+    assert bench.train_flops_per_token(cfg, 512) == pytest.approx(expect)
+    # attention FLOPs grow with the row length, the rest does not
+    assert bench.train_flops_per_token(cfg, 2048) > bench.train_flops_per_token(cfg, 512)
+
+
+def test_rl_batch_layout():
+    cfg = bench.model_config(quick=True)
+    b = bench.rl_batch(cfg, 4, 16)
+    for k in ("input_ids", "targets", "loss_mask", "segment_ids", "sampler_logp"):
+        assert b[k].shape == (4, 16), k
+    np.testing.assert_array_equal(b["input_ids"][:, 1:], b["targets"][:, :-1])
+    assert b["loss_mask"][:, 0].sum() == 0 and b["loss_mask"][:, -1].all()
+    assert b["advantages"].shape == (4,) and (b["positive"] == (b["advantages"] > 0)).all()
+    assert b["input_ids"].min() >= 1 and b["input_ids"].max() < cfg.vocab_size
+
+
+def test_ratios_and_targets():
+    res = {"train": {"tokens_per_s": 900.0, "mfu": 0.5, "matmul": {"peak_flops": 7.0}},
+           "reference": {"train_tokens_per_s": 800.0, "generate_tokens_per_s": 100.0,
+                         "matmul": {"peak_flops": 10.0}},
+           "sample": {"tokens_per_s": 120.0, "decode_cost_ratio": 1.2},
+           "scale": {"compile_ratio": 2.0}}
+    r = bench.ratios(res)
+    assert r["train_vs_reference"] == pytest.approx(1.125)
+    assert r["sample_vs_reference"] == pytest.approx(1.2)
+    assert r["jax_vs_torch_matmul_peak"] == pytest.approx(0.7)
+    t = bench.targets(r)
+    assert t["train_vs_reference"]["met"] and not t["train_mfu_vs_jax_peak"]["met"]
+    assert not t["sample_vs_reference"]["met"] and t["decode_cost_1024_vs_64"]["met"]
+    assert not t["compile_32_vs_2_layers"]["met"]
+    assert "MISSED" in bench.table({"targets": t})
+
+
+def test_bad_workload_name():
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--workloads", "train,nope"])
+
+
+def test_quick_train_and_reference(tmp_path):
+    res = _run(tmp_path, "train,reference")
+    t = res["train"]
+    for k in ("tokens_per_s", "mfu", "compile_s", "step_s", "achieved_flops",
+              "peak_rss_bytes", "model_flops_per_step"):
+        assert _pos(t[k]), (k, t[k])
+    assert len(t["step_times_s"]) >= 5 and all(_pos(x) for x in t["step_times_s"])
+    assert _pos(t["matmul"]["peak_flops"]) and _pos(t["memory"]["peak_estimate"])
+    assert math.isfinite(t["loss"])
+    ref = res["reference"]
+    for k in ("train_tokens_per_s", "generate_tokens_per_s", "ttft_s", "mfu"):
+        assert _pos(ref[k]), (k, ref[k])
+    assert _pos(ref["matmul"]["peak_flops"]) and ref["torch_threads"] >= 1
+    for k in ("train_vs_reference", "train_mfu_vs_jax_peak", "jax_vs_torch_matmul_peak"):
+        assert _pos(res["ratios"][k]), k
+    assert res["targets"]["train_vs_reference"]["target"] == ">= 1.0"
+
+
+def test_quick_sample(tmp_path):
+    s = _run(tmp_path, "sample")["sample"]
+    for k in ("tokens_per_s", "ttft_s", "generate_s", "first_call_s"):
+        assert _pos(s[k]), (k, s[k])
+    assert set(s["decode_step_s"]) == {"8", "32"}
+    assert all(math.isfinite(v) for v in s["decode_step_s"].values())  # differences: noisy
+
+
+@pytest.mark.slow
+def test_quick_scale(tmp_path):
+    sc = _run(tmp_path, "scale")["scale"]
+    assert [r["seq_len"] for r in sc["seq"]] == [16, 32]
+    assert all(_pos(r["tokens_per_s"]) and _pos(r["compile_s"]) for r in sc["seq"])
+    assert [r["num_layers"] for r in sc["compile"]] == [1, 2]
+    assert all(_pos(r["compile_s"]) for r in sc["compile"]) and _pos(sc["compile_ratio"])
