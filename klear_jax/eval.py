@@ -63,9 +63,9 @@ import numpy as np
 
 from klear_jax import eval_metrics as em
 from klear_jax.data import records as R
+from klear_jax.eval_config import KINDS
 
 logger = logging.getLogger("klear_jax.eval")
-KINDS = ("math", "code")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -125,7 +125,10 @@ def _check_name(what, name):
 
 
 def _as(cls, x):
-    return x if isinstance(x, cls) else cls(**dict(x))
+    if isinstance(x, cls):
+        return x
+    # a dataclass from another copy of this module (``python -m`` runs it as __main__)
+    return cls(**(dataclasses.asdict(x) if dataclasses.is_dataclass(x) else dict(x)))
 
 
 # ------------------------------------------------------------------------------ problems

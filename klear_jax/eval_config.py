@@ -40,6 +40,8 @@ import ml_collections
 from klear_jax import config_utils as cu
 from klear_jax.config_utils import ConfigError, _get, _int, _need, _num
 
+KINDS = ("math", "code")  # benchmark kinds (klear_jax.eval imports this)
+
 
 def eval_base() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -79,7 +81,6 @@ def add_setting(c, name: str, temperature: float, top_p: float = 1.0, top_k: int
 
 def validate_eval_config(c, num_devices: int | None = None) -> None:
     """Raises ConfigError naming the first bad key. Touches no file data."""
-    from klear_jax.eval import KINDS
     _need(isinstance(c.checkpoint, str) and c.checkpoint != "", "checkpoint",
           "must be an Orbax checkpoint or HF directory (--config.checkpoint=DIR)")
     _int(c, "checkpoint_step", lo=-1)
@@ -122,15 +123,15 @@ def validate_eval_config(c, num_devices: int | None = None) -> None:
             raise ConfigError(f"reward.{kind}", str(e)) from None
 
 
-def benchmarks_from_config(c):
-    from klear_jax.eval import Benchmark
-    return [Benchmark(name=n, **c.benchmarks[n].to_dict()) for n in c.benchmarks
+def benchmarks_from_config(c) -> list[dict]:
+    """``klear_jax.eval.Benchmark`` fields of every benchmark with a path."""
+    return [dict(name=n, **c.benchmarks[n].to_dict()) for n in c.benchmarks
             if c.benchmarks[n].path]
 
 
-def settings_from_config(c):
-    from klear_jax.eval import Setting
-    return [Setting(name=n, **c.settings[n].to_dict()) for n in c.settings]
+def settings_from_config(c) -> list[dict]:
+    """``klear_jax.eval.Setting`` fields of every setting."""
+    return [dict(name=n, **c.settings[n].to_dict()) for n in c.settings]
 
 
 def model_overrides(c) -> dict:

@@ -127,10 +127,10 @@ def test_config_validation_names_the_key():
     p = cu.load_config("configs/eval_qwen3_8b.py")
     p = cu.apply_overrides(p, ["checkpoint=/x", "benchmarks.aime24.path=a.jsonl"])
     ec.validate_eval_config(p, 64)
-    s = ec.settings_from_config(p)[0]
+    s = ev.Setting(**ec.settings_from_config(p)[0])
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_new_tokens) == (
         0.6, 0.95, 20, 1.05, 65536)
-    assert {b.name: b.num_samples for b in ec.benchmarks_from_config(p)} == {"aime24": 64}
+    assert {b["name"]: b["num_samples"] for b in ec.benchmarks_from_config(p)} == {"aime24": 64}
     assert p.benchmarks.lcb_v5.num_samples == 8 and p.benchmarks.lcb_v6.kind == "code"
     assert ec.model_overrides(p)["rope_scaling"] == {
         "factor": 2.5, "original_max_position_embeddings": 32768}
@@ -165,23 +165,32 @@ def _rows(path):
         return [json.loads(line) for line in f]
 
 
-def test_evaluate_orbax(saved, tok_dir, tmp_path):
-    from klear_jax.rewards import MathRewardConfig, math_reward
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def orbax_eval(saved, tok_dir, tmp_path_factory):
+    """One evaluate() over both benchmarks and two settings; prompts go 2 per sampler call
+    (the 3-problem file's last call is padded), so each setting compiles one shape."""
+    from klear_jax.rewards import MathRewardConfig
+    out = tmp_path_factory.mktemp("orbax_eval")
     benches = [ev.Benchmark("math", str(saved / "math.jsonl"), "math", num_samples=3),
                {"name": "code", "path": str(saved / "code.jsonl"), "kind": "code",
-                "num_samples": 2}]
+                "num_samples": 3}]
     settings = [ev.Setting("greedy", temperature=0.0, max_new_tokens=12, num_samples=2),
                 {"name": "t1_0", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12}]
     res = ev.evaluate(str(saved / "orbax"), tok_dir, benches, settings, out_dir=str(out),
-                      math_reward=MathRewardConfig(num_workers=1), log=None)
+                      batch_prompts=2, math_reward=MathRewardConfig(num_workers=1), log=None)
+    return res, out
+
+
+def test_evaluate_orbax(orbax_eval):
+    from klear_jax.rewards import math_reward
+    res, out = orbax_eval
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["results"] == json.loads(json.dumps(res["results"]))
     assert set(res) >= {"checkpoint", "model", "settings", "benchmarks", "results", "wall_time_s"}
     assert res["settings"]["greedy"]["greedy"] and not res["settings"]["t1_0"]["greedy"]
     assert res["benchmarks"]["math"]["num_problems"] == 3
-    for bench, P, k_sampled in (("math", 3, 3), ("code", 2, 2)):
-        for setting, k in (("greedy", 2), ("t1_0", k_sampled)):
+    for bench, P in (("math", 3), ("code", 2)):
+        for setting, k in (("greedy", 2), ("t1_0", 3)):
             m = res["results"][bench][setting]
             assert m["kind"] == bench and m["k"] == k and m["num_problems"] == P
             assert set(m["pass@k"]) == {str(x) for x in em.pass_ks(k)}
@@ -211,26 +220,22 @@ def test_evaluate_orbax(saved, tok_dir, tmp_path):
         assert r["reward"] == math_reward(r["response"], answers[r["problem_id"]])
 
 
-def test_cli_hf_dir_on_a_mesh_matches_orbax_greedy(saved, tok_dir, tmp_path):
-    """The CLI path: HF dir (tokenizer found in it), the default 8-device mesh, and the
-    greedy responses equal those of the Orbax checkpoint on one device."""
-    c = cu.load_config("configs/eval_tiny.py:max_new=10")
+def test_cli_hf_dir_on_a_mesh_matches_orbax_greedy(saved, orbax_eval, tmp_path):
+    """The CLI path: HF dir (tokenizer found in it), the default 8-device mesh; its greedy
+    responses equal those from the Orbax checkpoint on one device."""
+    c = cu.load_config("configs/eval_tiny.py:max_new=12")
     c = cu.apply_overrides(c, [f"checkpoint={saved / 'hf'}", f"out_dir={tmp_path / 'hf'}",
                                f"benchmarks.math.path={saved / 'math.jsonl'}",
                                "settings.greedy.num_samples=2", "reward.math.num_workers=1"])
     with c.unlocked():
         del c.settings["t1_0"], c.settings["t0_6"]
     res = ev.run(c)
-    assert set(res["results"]) == {"math"} and res["model"]["model_type"] == "qwen3"
-    ref = ev.evaluate(str(saved / "orbax"), tok_dir,
-                      [ev.Benchmark("math", str(saved / "math.jsonl"), "math")],
-                      [ev.Setting("greedy", temperature=0.0, max_new_tokens=10)],
-                      out_dir=str(tmp_path / "orbax"), log=None)
+    assert set(res["results"]) == {"math"} and set(res["settings"]) == {"greedy"}
+    assert res["model"]["model_type"] == "qwen3" and res["results"]["math"]["greedy"]["k"] == 2
     hf_rows = _rows(tmp_path / "hf" / "samples" / "math__greedy.jsonl")
-    ref_rows = _rows(tmp_path / "orbax" / "samples" / "math__greedy.jsonl")
-    assert len(hf_rows) == 6 and len(ref_rows) == 3
-    assert [r["response"] for r in hf_rows[::2]] == [r["response"] for r in ref_rows]
-    assert ref["results"]["math"]["greedy"]["k"] == 1
+    ref_rows = _rows(orbax_eval[1] / "samples" / "math__greedy.jsonl")
+    assert len(hf_rows) == len(ref_rows) == 6
+    assert [r["response"] for r in hf_rows] == [r["response"] for r in ref_rows]
 
 
 def test_yarn_override_at_load(saved):
@@ -241,3 +246,18 @@ def test_yarn_override_at_load(saved):
     assert m.config.max_position_embeddings == 256
     h = ev.load_model(str(saved / "hf"), None, -1, **ec.model_overrides(p))
     assert h.config.rope_scaling == m.config.rope_scaling
+
+
+def test_tokenizer_from_the_saved_run_config(tmp_path, tok_dir):
+    """An SFT / RL checkpoint without `tokenizer` set: the run config saved beside the
+    params names it (data.tokenizer)."""
+    import orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager(tmp_path / "checkpoints")
+    mngr.save(3, args=ocp.args.Composite(config=ocp.args.JsonSave(
+        {"data": {"tokenizer": tok_dir}})))
+    mngr.wait_until_finished()
+    mngr.close()
+    t = ev.resolve_tokenizer(None, str(tmp_path))
+    assert t.eos_token == "<|im_end|>"
+    with pytest.raises(ValueError, match="no tokenizer"):
+        ev.resolve_tokenizer(None, str(tmp_path / "nothing_here"))
