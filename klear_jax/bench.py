@@ -197,12 +197,12 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         res[w] = spawn(w, a.quick, a.threads, a.timeout)
         print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    res["machine"] = machine_info(a.threads)
-    res["ratios"] = ratios(res)
-    res["targets"] = targets(res["ratios"])
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+        res["machine"] = machine_info(a.threads)
+        res["ratios"] = ratios(res)
+        res["targets"] = targets(res["ratios"])
+        if a.out:  # after every workload, so a long run keeps what it has measured
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=2)
     print(table(res))
     return res
 
