@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -86,6 +87,8 @@ def parse_topology(name: str) -> Topology:
 def topology_devices(topo: Topology) -> list:
     """The slice's devices (needs libtpu; no TPU hardware)."""
     from jax.experimental import topologies
+    # libtpu takes a machine-wide lock file; AOT needs no chip, so several compiles may share.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kw = dict(platform="tpu", topology_name=topo.topology_name, num_slices=1,
               chips_per_host_bounds=topo.chips_per_host_bounds)
     if topo.chip_config_name:
