@@ -10,14 +10,17 @@ Files expected under ROOT (HF-style JSONL or Parquet; see klear_jax/data/records
 Quality scores rank sources within a domain (e.g. from a small ablation); only the top two
 per domain are read ("few top sources beat many"). Incorrect teacher traces are kept for
 hard problems (difficulty >= 0.7) and dropped for easy ones.
-Variants: `:kind=rl_math` makes an RL prompt set instead (pass-rate band from `pass_rate`).
+Variants: `:kind=rl_math` makes an RL prompt set instead (pass-rate band from `pass_rate`),
+from k precomputed `samples` per problem, or with `:kind=rl_math,ref=/ckpt/sft_model` from 8
+samples per problem drawn here from that reference checkpoint (Orbax or HF dir; its
+tokenizer, or set pass_rate.model.tokenizer) with the project's sampler and math reward.
 """
 from klear_jax import config_utils
 from klear_jax.data.curate import curate_base, source
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, root="data/raw", kind="sft")
+    a = config_utils.parse_arg(arg, root="data/raw", kind="sft", ref="")
     c = curate_base()
     c.kind = a.kind
     c.seed = 0
@@ -37,6 +40,12 @@ def get_config(arg=None):
         c.sources.math_rl = source(paths=[f"{r}/math_rl/*.jsonl"], domain="math", quality=1.0)
         c.dedup.response = False
         c.pass_rate.update(source="samples", samples_field="samples", batch_size=64)
+        if a.ref:  # sample the pass rate from a reference model instead
+            c.pass_rate.source = "model"
+            c.pass_rate.model.update(checkpoint=a.ref, num_samples=8, temperature=1.0, top_p=1.0,
+                                     max_new_tokens=8192, batch_prompts=32, seed=0,
+                                     max_prompt_len=1024, dtype="bfloat16",
+                                     mesh=dict(data=1, fsdp=-1, tensor=1))
         c.rl_filter.update(min_pass_rate=0.05, max_pass_rate=0.95)
         c.output.max_length = 4096
     c.select.top_n_per_domain = 2

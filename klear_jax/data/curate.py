@@ -18,7 +18,8 @@ this order, each enabled by the config (`curate_base()` lists every key):
   decontaminate  drop records sharing a word 9-gram with a benchmark problem.
   min_tests      code problems with fewer than `rl_filter.min_tests` tests are dropped.
   label          (sft) teacher traces labelled correct / incorrect with the project rewards.
-  pass_rate      a pass rate per problem, from a record field or from scored samples.
+  pass_rate      a pass rate per problem: a record field, its scored samples, or k scored
+                 samples of a reference model (pass_rate.model.*, curate_label.ModelSamples).
   retain         (sft) incorrect traces kept for hard problems, dropped for easy ones.
   pass_band      (rl) problems with a pass rate outside [min, max] dropped.
 Output (output.dir): NAME.curated.jsonl (kept records with their annotations, minus
@@ -49,7 +50,7 @@ from klear_jax.data import records as R
 
 log = logging.getLogger(__name__)
 SOURCE_KEYS = {"paths": None, "domain": None, "quality": 0.0, "weight": 1.0, "cap": 0}
-PASS_RATE_SOURCES = ("none", "field", "samples")
+PASS_RATE_SOURCES = ("none", "field", "samples", "model")
 
 
 def source(paths, domain: str, quality: float = 0.0, weight: float = 1.0, cap: int = 0) -> dict:
@@ -72,7 +73,11 @@ def curate_base() -> ml_collections.ConfigDict:
     c.decontam = dict(benchmarks=ml_collections.ConfigDict(), n=9, check_response=False)
     c.label = dict(enabled=False, batch_size=64, require_open_think=True, math_workers=2,
                    code_timeout_s=10.0, code_max_tests=16, code_slots=0)
-    c.pass_rate = dict(source="none", field="pass_rate", samples_field="samples", batch_size=64)
+    c.pass_rate = dict(source="none", field="pass_rate", samples_field="samples", batch_size=64,
+                       model=dict(checkpoint="", tokenizer="", checkpoint_step=-1, dtype="float32",
+                                  num_samples=8, temperature=1.0, top_p=1.0, max_new_tokens=1024,
+                                  batch_prompts=8, seed=0, max_prompt_len=512, keep_samples=False,
+                                  mesh=dict(data=1, fsdp=1, tensor=1)))
     c.difficulty = dict(source="field", field="difficulty", hard_min=0.5, hard_max_pass_rate=0.25)
     c.retain = dict(keep_incorrect_hard=True, keep_incorrect_easy=False)
     c.rl_filter = dict(min_pass_rate=0.0, max_pass_rate=1.0, min_tests=0)
@@ -154,17 +159,16 @@ def validate_curate_config(c) -> None:
     _need(_is_num(lb.code_timeout_s) and lb.code_timeout_s > 0, "label.code_timeout_s", "must be > 0")
     _need(isinstance(lb.require_open_think, bool), "label.require_open_think", "must be a bool")
     pr = c.pass_rate
-    _need(pr.source != "model", "pass_rate.source",
-          "'model' (k samples from a reference model) needs klear_jax.sampler, not wired yet; "
-          "precompute samples into the records and use 'samples'")
     _need(pr.source in PASS_RATE_SOURCES, "pass_rate.source", f"must be one of {PASS_RATE_SOURCES}, got {pr.source!r}")
     for f in ("field", "samples_field"):
         _need(isinstance(pr[f], str) and pr[f] != "", f"pass_rate.{f}", "must be a non-empty string")
     _need(_is_int(pr.batch_size) and pr.batch_size >= 1, "pass_rate.batch_size", "must be an int >= 1")
+    if pr.source == "model":
+        _validate_model(c)
     d = c.difficulty
     _need(d.source in ("field", "pass_rate"), "difficulty.source", f"must be 'field' or 'pass_rate', got {d.source!r}")
     if c.label.enabled and d.source == "pass_rate":
-        _need(pr.source != "none", "difficulty.source", "'pass_rate' needs pass_rate.source 'field' or 'samples'")
+        _need(pr.source != "none", "difficulty.source", "'pass_rate' needs pass_rate.source 'field', 'samples' or 'model'")
     _need(_is_num(d.hard_min), "difficulty.hard_min", "must be a number")
     _need(_is_num(d.hard_max_pass_rate) and 0 <= d.hard_max_pass_rate <= 1, "difficulty.hard_max_pass_rate",
           "must be in [0, 1]")
@@ -195,6 +199,35 @@ def validate_curate_config(c) -> None:
     _need(isinstance(o.drop_fields, (list, tuple)) and all(isinstance(x, str) for x in o.drop_fields),
           "output.drop_fields", "must be a list of field names")
     _need(isinstance(o.overwrite, bool), "output.overwrite", "must be a bool")
+
+
+def _validate_model(c) -> None:
+    """pass_rate.model.* (source 'model'): the reference checkpoint and its sampling."""
+    from klear_jax import config_utils as cu
+    m, k = c.pass_rate.model, "pass_rate.model"
+    ck = m.checkpoint
+    _need(isinstance(ck, str) and ck != "", f"{k}.checkpoint",
+          "required when pass_rate.source is 'model' (an Orbax params / SFT / RL checkpoint or a HF dir)")
+    _need(os.path.isdir(ck), f"{k}.checkpoint", f"directory {ck!r} does not exist")
+    _need(m.tokenizer == "" or isinstance(m.tokenizer, str) and os.path.isdir(m.tokenizer), f"{k}.tokenizer",
+          f"must be '' (the checkpoint's) or an existing directory, got {m.tokenizer!r}")
+    _need(_is_int(m.checkpoint_step), f"{k}.checkpoint_step", "must be an int (-1 = latest)")
+    _need(m.dtype in ("float32", "bfloat16", "float16"), f"{k}.dtype", f"must be a float dtype, got {m.dtype!r}")
+    for f, lo in (("num_samples", 1), ("max_new_tokens", 1), ("batch_prompts", 1), ("max_prompt_len", 1),
+                  ("seed", 0)):
+        _need(_is_int(m[f]) and m[f] >= lo, f"{k}.{f}", f"must be an int >= {lo}, got {m[f]!r}")
+    _need(_is_num(m.temperature) and m.temperature >= 0, f"{k}.temperature", "must be >= 0 (0 = greedy)")
+    _need(_is_num(m.top_p) and 0 < m.top_p <= 1, f"{k}.top_p", f"must be in (0, 1], got {m.top_p!r}")
+    _need(isinstance(m.keep_samples, bool), f"{k}.keep_samples", "must be a bool")
+    cu.validate_mesh(c, None, key=f"{k}.mesh")
+
+
+def model_samples(c) -> L.ModelSamples:
+    """pass_rate.source 'model' (lazy load); prompts use output.prompt_template, as RL does."""
+    m = c.pass_rate.model
+    return L.ModelSamples(m.checkpoint, m.tokenizer, m.num_samples, m.temperature, m.top_p,
+                          m.max_new_tokens, m.batch_prompts, m.seed, c.output.prompt_template,
+                          m.max_prompt_len, m.mesh.to_dict(), m.dtype, m.checkpoint_step)
 
 
 # ------------------------------------------------------------------------------- sources
@@ -254,8 +287,10 @@ def build_steps(c, scorers: L.Scorers) -> list:
         steps.append(L.label_step(scorers, c.label.batch_size))
     pr = c.pass_rate
     if pr.source != "none":
+        model = model_samples(c) if pr.source == "model" else None
         steps.append(L.pass_rate_step(scorers, pr.source, pr.field, pr.samples_field, pr.batch_size,
-                                      drop_unrated=kind != "sft"))
+                                      drop_unrated=kind != "sft", model=model,
+                                      keep_samples=pr.source == "model" and pr.model.keep_samples))
     if c.label.enabled:
         d, rt = c.difficulty, c.retain
         steps.append(L.retain_step(d.source, d.field, d.hard_min, d.hard_max_pass_rate,

@@ -11,7 +11,9 @@ every test it was run on (code; the first `max_tests`). Annotations written into
     pass_rate (float in [0, 1]), pass_samples (int) from PassRateStep
 Pass rate sources: "field" (a number in the record), "samples" (the record's list of
 responses, e.g. k samples of a reference model, scored with the same checkers: the fraction
-that is correct). Scoring is batched: one batch of records is scored concurrently.
+that is correct), "model" (ModelSamples: k responses per problem sampled here from a
+reference checkpoint with klear_jax.sampler, then scored exactly like "samples"). Scoring is
+batched: one batch of records is sampled / scored at a time.
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def reference(d: dict, domain: str) -> tuple[Any, str | None]:
             return None, "no_answer"
         return str(a), None
     try:
-        return R._tests(d), None
+        return R.parse_tests(d), None
     except ValueError:
         return None, "no_tests"
 
@@ -124,9 +126,74 @@ def label_step(scorers: Scorers, batch_size: int) -> Batched:
     return step
 
 
+class ModelSamples:
+    """k responses per problem from a reference model (pass_rate.source "model").
+
+    The checkpoint (Orbax params / SFT / RL dir, or a HF dir) and its tokenizer are loaded
+    lazily as klear_jax.eval loads them; the prompt is built as the RL data path and eval
+    build it (prepare.rl_example: `prompt_template` around the problem, then the chat
+    template). Batch number b of a run samples with seed `seed + b`; a short last batch is
+    padded with copies of its first prompt (after the real rows, so their keys are
+    unchanged) so every call has `batch_prompts` rows and one compiled shape.
+    """
+
+    def __init__(self, checkpoint: str, tokenizer: str, num_samples: int, temperature: float,
+                 top_p: float, max_new_tokens: int, batch_prompts: int, seed: int,
+                 prompt_template: str = "{problem}", max_prompt_len: int = 512,
+                 mesh: dict | None = None, dtype: str = "float32", checkpoint_step: int = -1):
+        self.checkpoint, self.tokenizer_dir, self.k = checkpoint, tokenizer, num_samples
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.batch_prompts, self.seed, self.template = batch_prompts, seed, prompt_template
+        self.max_prompt_len, self.mesh_cfg, self.dtype = max_prompt_len, dict(mesh or {}), dtype
+        self.step, self.calls, self._loaded = checkpoint_step, 0, None
+
+    def _load(self):
+        if self._loaded is None:
+            from flax import nnx
+            from klear_jax import eval as ev
+            from klear_jax import sharding as shd
+            from klear_jax.sampler import Sampler, SamplingParams
+            tok = ev.resolve_tokenizer(self.tokenizer_dir or None, self.checkpoint, self.step)
+            mesh = shd.mesh_from_config(self.mesh_cfg) if self.mesh_cfg else None
+            model = ev.load_model(self.checkpoint, mesh, self.step, dtype=self.dtype)
+            vocab = model.config.vocab_size
+            if len(tok) > vocab:
+                raise ValueError(f"pass_rate.model: tokenizer has {len(tok)} tokens, more than the "
+                                 f"model's vocab_size {vocab}")
+            graphdef, state = nnx.split(model)
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            params = SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
+                                    max_new_tokens=self.max_new_tokens, n=self.k,
+                                    stop_token_ids=ev.stop_token_ids(tok, vocab))
+            sampler = Sampler(graphdef, mesh=mesh, pad_id=pad, max_prompt_len=self.max_prompt_len)
+            self._loaded = (tok, sampler, state, params)
+        return self._loaded
+
+    def prompt_ids(self, d: dict, domain: str) -> list[int]:
+        """Token ids of the templated prompt (ValueError on a record that is no RL problem)."""
+        from klear_jax.data.prepare import rl_example
+        ex, _ = rl_example(self._load()[0], R.rl_fields(d, "rl_" + domain), None, self.template)
+        return [int(t) for t in ex["prompt_ids"]]
+
+    def sample(self, prompts: list[list[int]]) -> list[list[str]]:
+        """[P] prompts (P <= batch_prompts) -> [P][k] decoded responses."""
+        tok, sampler, state, params = self._load()
+        rows = prompts + [prompts[0]] * (self.batch_prompts - len(prompts))
+        out = sampler.generate(state, rows, params, self.seed + self.calls)
+        self.calls += 1
+        texts: list[list[str]] = [[] for _ in rows]
+        for i, t in zip(out.prompt_index, sampler.decode_text(out, tok)):
+            texts[int(i)].append(t)
+        return texts[:len(prompts)]
+
+
 def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str,
-                   batch_size: int, drop_unrated: bool = True) -> Batched:
-    """Sets data['pass_rate'] from a record field or by scoring the record's samples.
+                   batch_size: int, drop_unrated: bool = True,
+                   model: ModelSamples | None = None, keep_samples: bool = False) -> Batched:
+    """Sets data['pass_rate'] from a record field, by scoring the record's samples, or by
+    scoring `model`'s k samples (batches of model.batch_prompts records; with keep_samples
+    the responses are stored in data[samples_field]). info['samples_scored'] counts the
+    scored responses.
 
     A record that cannot be rated (no field / samples / answer / tests, or a domain without
     a checker) is dropped for that reason, or with drop_unrated=False (SFT, where only
@@ -154,11 +221,24 @@ def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str
         if source == "field":
             return [from_field(r) for r in batch]
         reasons: list[str | None] = [None] * len(batch)
-        items = []
+        items, todo = [], []
         for k, r in enumerate(batch):
             dom, samples = r.data.get("domain"), r.data.get(samples_field)
             if dom not in CHECKED:
                 reasons[k] = "unchecked_domain"
+                continue
+            if source == "model":
+                ref, reasons[k] = reference(r.data, dom)
+                if reasons[k]:
+                    continue
+                try:
+                    ids = model.prompt_ids(r.data, dom)
+                except ValueError as e:
+                    raise RecordError(r.path, r.line, f"cannot template the problem: {e}") from None
+                if len(ids) > model.max_prompt_len:
+                    reasons[k] = "prompt_too_long"
+                    continue
+                todo.append((k, dom, ref, ids))
                 continue
             if samples is None or (isinstance(samples, list) and not samples):
                 reasons[k] = "no_samples"
@@ -170,13 +250,23 @@ def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str
                 reasons[k] = why
                 continue
             items.extend((k, dom, s, ref) for s in samples)
+        if todo:
+            for (k, dom, ref, _), texts in zip(todo, model.sample([t[3] for t in todo])):
+                items.extend((k, dom, s, ref) for s in texts)
+                if keep_samples:
+                    batch[k].data[samples_field] = texts
+        info["samples_scored"] += len(items)
         for k, res in _score_groups(scorers, items).items():
             batch[k].data["pass_rate"] = sum(c for c, _ in res) / len(res)
             batch[k].data["pass_samples"] = len(res)
         return reasons
 
-    step = Batched("pass_rate", decide_batch, batch_size)
+    if source == "model" and model is None:
+        raise ValueError("pass_rate_step: source 'model' needs a ModelSamples")
+    step = Batched("pass_rate", decide_batch, model.batch_prompts if source == "model" else batch_size)
     info = step.counter.info
+    if source != "field":
+        info["samples_scored"] = 0
     return step
 
 

@@ -155,7 +155,9 @@ def _prompt_messages(d: dict) -> list[dict[str, str]]:
     return [{"role": "user", "content": _require_str(d, key)}]
 
 
-def _tests(d: dict) -> dict:
+def parse_tests(d: dict) -> dict:
+    """A record's test cases ('tests' or APPS/TACO 'input_output', a dict or its JSON string),
+    validated -> {inputs, outputs, [fn_name]}; ValueError naming the field otherwise."""
     key = "tests" if "tests" in d else "input_output"
     if key not in d or d[key] is None:
         raise ValueError("missing field 'tests' (or 'input_output')")
@@ -195,7 +197,7 @@ def rl_fields(d: Any, kind: str) -> dict[str, Any]:
         if not out["answer"].strip():
             raise ValueError("field 'answer' is empty")
     elif kind == "rl_code":
-        out["tests"] = _tests(d)
+        out["tests"] = parse_tests(d)
     else:
         raise ValueError(f"unknown RL kind {kind!r}")
     src = d.get("source", "")
