@@ -220,7 +220,7 @@ def test_rl_code_min_tests_and_pass_rate_field(tmp_path):
     ("sources.a.wieght", 0.5, r"'sources\.a\.wieght': unknown key"),
     ("sources.a.weight", 1.5, r"'sources\.a\.weight': must be a sampling rate"),
     ("sources.a.domain", "code", r"'sources\.a\.domain': must be 'math' for kind 'rl_math'"),
-    ("pass_rate.source", "model", r"'pass_rate\.source': 'model'.*klear_jax\.sampler"),
+    ("pass_rate.source", "model", r"'pass_rate\.model\.checkpoint': required when pass_rate.source is 'model'"),
     ("rl_filter.min_pass_rate", 0.2, r"'rl_filter\.min_pass_rate': a pass-rate band needs"),
     ("output.name", "Bad-Name", r"'output\.name': must be lower_snake_case"),
     ("label.enabled", True, r"'label\.enabled': labels teacher traces: only for kind 'sft'"),
