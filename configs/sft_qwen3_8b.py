@@ -29,8 +29,11 @@ def get_config(arg=None):
                    tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
                    remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
     c.data.update(split="train", num_epochs=4, overlong="truncate", num_packing_bins=128)
+    # One 32K row per chip per micro-batch (v5p-64: 2 micro-batches; v6e-64, chips=64: 1):
+    # measured by klear_jax.aot, see docs/aot.md.
     c.train.update(total_steps=a.steps, batch_size=a.batch, seq_len=a.seq_len,
-                   num_microbatches=2, max_consecutive_skips=5, log_every=1)
+                   num_microbatches=max(1, a.batch // a.chips), max_consecutive_skips=5,
+                   log_every=1)
     c.optim.update(lr=8e-5, end_lr=4e-5, schedule="cosine", warmup_steps=20, decay_steps=0,
                    b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
     c.checkpoint.update(every_steps=200, keep=3, async_save=True)
