@@ -37,7 +37,7 @@ def demo_settings(size: str = "default") -> ml_collections.ConfigDict:
     tiny = size == "tiny"
     return ml_collections.ConfigDict(dict(
         n_sft=300 if tiny else 6000, n_rl=64 if tiny else 2000, n_eval=8 if tiny else 64,
-        math_error=0.3, code_error=0.3, code_frac=0.4, num_ops=(2, 3), num_tests=4,
+        math_error=0.25, code_error=0.3, code_frac=0.4, num_ops=(1, 2), num_tests=4,
         vocab=SIZES[size]["vocab"],
         # code RL: fewer prompts per step (each response runs num_tests sandboxed programs)
         code_rl_steps=2 if tiny else 15,
@@ -86,7 +86,9 @@ def rl_config_(size: str, steps: int) -> ml_collections.ConfigDict:
                    num_minibatches=2, num_microbatches=1, length_bucket=0,
                    max_consecutive_skips=5, log_every=1)
     c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, dual_clip=10.0, sft_alpha=0.1)
-    c.reward.math.update(num_workers=1, deadline_s=10.0)
+    # A response that never closes </think> scores like a wrong answer (the paper's -0.5
+    # would pay a weak model to ramble to the length cap instead of answering).
+    c.reward.math.update(num_workers=1, deadline_s=10.0, missing_close_think=-1.0)
     c.reward.code.update(mode="soft", timeout_s=5.0, max_tests=4, memory_mb=512)
     c.optim.update(lr=2e-4, end_lr=2e-4, schedule="constant", warmup_steps=0,
                    weight_decay=0.0, clip_norm=1.0)

@@ -140,24 +140,25 @@ def build_task_files(out_dir: str, seed: int, n_sft: int, n_rl: int, n_eval: int
     rl_code.jsonl      {"problem", "tests", "source"}
     heldout_math.jsonl {"problem", "answer"}   eval input format; never trained on
     heldout_code.jsonl {"problem", "tests"}
-    Held-out problems are drawn first and their texts excluded from every other set.
+    Held-out problems are drawn first; no training record repeats one (math: same text;
+    code: same function). Training sets may repeat problems among themselves.
     """
     rng = random.Random(seed)
-    seen: set[str] = set()   # math problem texts, code expressions held out
+    seen: set[str] = set()   # held-out math problem texts and code expressions
 
     def draw(kind: str, n: int, held_out: bool = False) -> list[dict]:
-        """Math problems are distinct by text everywhere. A held-out code problem's function
-        (its expression) never appears in a training set; training sets may repeat one."""
+        """Held-out problems are distinct, and no training problem equals one: math by text,
+        code by function (its expression). Training sets may repeat a problem."""
         out, tries = [], 0
         while len(out) < n:
             tries += 1
             if tries > 50 * n + 1000:
-                raise RuntimeError(f"demo tasks: cannot draw {n} distinct {kind} problems")
+                raise RuntimeError(f"demo tasks: cannot draw {n} {kind} problems")
             p = math_problem(rng, num_ops) if kind == "math" else code_problem(rng, num_tests)
             key = p["problem"] if kind == "math" else p["expr"]
             if key in seen:
                 continue
-            if kind == "math" or held_out:
+            if held_out:
                 seen.add(key)
             out.append(p)
         return out
