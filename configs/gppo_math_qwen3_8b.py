@@ -11,7 +11,8 @@ all-correct responses; temperature 1.0, top_p 1; prompt 4096 + response 32768 to
         --config.workdir=gs://b/rl_math --config.init.path=gs://b/sft/checkpoints \
         --config.data.dir=gs://b/tfds --config.data.name=klear_math \
         --config.data.tokenizer=/path/to/tokenizer
-Variants: ``:chips=64``, ``:steps=N``.
+Variants: ``:chips=N`` (devices), ``:tensor=N`` (tensor-parallel ways; v6e-64 uses
+``:chips=64,tensor=4``), ``:steps=N``.
 """
 
 from klear_jax import config_utils
@@ -19,10 +20,13 @@ from klear_jax import rl_config
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, chips=32, steps=500)
+    a = config_utils.parse_arg(arg, chips=32, steps=500, tensor=1)
+    shards = a.chips // a.tensor  # data x fsdp: rows are split over these
     c = rl_config.rl_base()
     c.seed = 0
-    c.mesh = dict(data=1, fsdp=a.chips, tensor=1)
+    # v5p-64: pure FSDP over 32 chips. v6e-64 (32 GB/chip): ``:chips=64,tensor=4`` also splits
+    # heads / MLP / the KV cache's kv heads 4 ways (measured by klear_jax.aot, docs/aot.md).
+    c.mesh = dict(data=1, fsdp=shards, tensor=a.tensor)
     c.init = dict(source="orbax", path="", step=-1)  # the SFT run's checkpoints
     c.model.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -30,13 +34,15 @@ def get_config(arg=None):
                    tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
                    remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
     c.data.update(split="train", shuffle=True, num_epochs=0)
-    # KV cache of 16 prompts x 8 x 36.8K tokens x 147 KB/token (bf16) ~ 690 GB over 32 chips.
+    # One prompt per batch shard per sampler call (the sampler pads prompts to a multiple of
+    # data x fsdp): 8 responses x 36.8K tokens x 147 KB/token (bf16 KV) = 43 GB per shard,
+    # split over `tensor` chips by kv heads.
     c.rollout.update(prompts_per_step=256, group_size=8, temperature=1.0, top_p=1.0, top_k=0,
                      repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
-                     sample_chunk_prompts=16)
-    # 16 prompts x 8 = 128 rows per mini-batch; 4 micro-batches of 32 rows = 1 row per chip.
+                     sample_chunk_prompts=shards)
+    # 16 prompts x 8 = 128 rows per mini-batch; micro-batches of one row per batch shard.
     c.train.update(total_steps=a.steps, batch_prompts=128, num_minibatches=8,
-                   num_microbatches=4, length_bucket=4096, max_consecutive_skips=5,
+                   num_microbatches=128 // shards, length_bucket=4096, max_consecutive_skips=5,
                    log_every=1)
     c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, beta1=1.0, beta2=1.0,
                   dual_clip=10.0, agg="token-mean", sft_alpha=0.1, adv_estimator="grpo",
