@@ -1,7 +1,7 @@
 """Ahead-of-time compilation for a Cloud TPU topology, from a CPU host (libtpu installed).
 
     python -m klear_jax.aot --config=configs/sft_qwen3_8b.py --topology=v5p-64
-    python -m klear_jax.aot --config=configs/gppo_math_qwen3_8b.py:chips=64 --topology=v6e-64 \
+    python -m klear_jax.aot --config=configs/gppo_math_qwen3_8b.py:chips=64,tensor=4 --topology=v6e-64 \
         --what=rl_step,prefill,decode --out=/tmp/aot.json
 
 Builds the topology's devices (``jax.experimental.topologies``), the config's mesh over them,
