@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from klear_jax import sharding as shd
+
 
 def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     """bool [B, T, S] from positions / segment ids int32 [B, T] and [B, S]."""
@@ -59,10 +61,17 @@ def attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
         from klear_jax.models.splash import splash_attention  # lazy: Pallas import is heavy
         if scale is not None and scale != q.shape[-1] ** -0.5:
             raise ValueError("splash attention only supports the default 1/sqrt(head_dim) scale")
-        # The TPU kernel only runs on CPU in Pallas interpret mode (tests, AOT checks).
         return splash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                                interpret=jax.default_backend() == "cpu")
+                                interpret=_target_platform() == "cpu")
     raise ValueError(f"attention impl {impl!r} unknown (xla, splash)")
+
+
+def _target_platform() -> str:
+    """Platform the code is being compiled for: the active mesh's devices (TPU devices when
+    compiling ahead of time for a TPU topology from a CPU host), else the default backend.
+    The TPU kernel only runs on CPU in Pallas interpret mode."""
+    mesh = shd.current_mesh()
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 def rope_cos_sin(positions, inv_freq, attention_scaling: float, dtype):
