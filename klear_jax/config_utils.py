@@ -306,3 +306,33 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]):
 
 def config_to_json(cfg) -> str:
     return cfg.to_json(sort_keys=True) if hasattr(cfg, "to_json") else json.dumps(cfg, sort_keys=True)
+
+
+def run_config_cli(run, errors: tuple[type[BaseException], ...] = (ConfigError,),
+                   report=None) -> None:
+    """The shared `python -m klear_jax.X --config=FILE[:variant] --config.key=value` entry
+    point: parses the ml_collections config flag (locked, so an unknown key fails naming it),
+    calls ``run(config)``, prints any of ``errors`` as ``error: ...`` and exits 2; otherwise
+    calls ``report(result, config)`` (if given) and exits 0."""
+    import logging
+    import sys
+
+    from absl import app, flags
+    from ml_collections import config_flags
+    config_flags.DEFINE_config_file("config", None, "ml_collections config file",
+                                    lock_config=True)
+    flags.mark_flags_as_required(["config"])
+
+    def main(argv) -> int:
+        del argv
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        cfg = flags.FLAGS.config
+        try:
+            out = run(cfg)
+        except errors as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if report is not None:
+            report(out, cfg)
+        return 0
+    app.run(lambda argv: sys.exit(main(argv)))

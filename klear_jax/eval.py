@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import re
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -406,23 +405,7 @@ def run(cfg) -> dict:
                     checkpoint_step=cfg.checkpoint_step, model_overrides=ec.model_overrides(cfg))
 
 
-def main(argv):
-    del argv
-    from absl import flags
-    from klear_jax import config_utils
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        run(flags.FLAGS.config)
-    except (config_utils.ConfigError, R.RecordError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file",
-                                    lock_config=True)
-    flags.mark_flags_as_required(["config"])
-    app.run(lambda argv: sys.exit(main(argv)))
+    from klear_jax import config_utils
+    config_utils.run_config_cli(
+        run, errors=(config_utils.ConfigError, R.RecordError, FileNotFoundError, ValueError))

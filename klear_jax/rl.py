@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import sys
 import time
 
 import jax
@@ -348,23 +347,6 @@ def run(cfg) -> dict:
             "params": state.params}
 
 
-def main(argv):
-    del argv
-    from absl import flags
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        out = run(flags.FLAGS.config)
-    except config_utils.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    log.info("finished: %s", {k: out[k] for k in ("step", "updates", "stopped")})
-    return 0
-
-
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file",
-                                    lock_config=True)
-    flags.mark_flags_as_required(["config"])
-    app.run(lambda argv: sys.exit(main(argv)))
+    config_utils.run_config_cli(run, report=lambda out, cfg: log.info(
+        "finished: %s", {k: out[k] for k in ("step", "updates", "stopped")}))

@@ -37,13 +37,12 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from typing import Any, Iterator
 
 import ml_collections
 
-from klear_jax.config_utils import ConfigError
+from klear_jax.config_utils import ConfigError, run_config_cli
 from klear_jax.data import curate_label as L
 from klear_jax.data import curate_steps as S
 from klear_jax.data import records as R
@@ -377,26 +376,14 @@ def run(c) -> dict[str, Any]:
     return report
 
 
-def main(argv) -> int:
-    del argv
-    from absl import flags
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        report = run(flags.FLAGS.config)
-    except (ConfigError, R.RecordError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _print_report(report: dict, cfg) -> None:
     for st in report["steps"]:
         log.info("%-16s seen %8d kept %8d dropped %s", st["step"], st["seen"], st["kept"], st["dropped"])
-    o = flags.FLAGS.config.output
+    o = cfg.output
     print(f"wrote {report['written']} records to {report['curated_jsonl']}; report: "
           f"{os.path.join(o.dir, o.name)}_curate_report.md")
-    return 0
 
 
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-    config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
-    flags.mark_flags_as_required(["config"])
-    app.run(lambda argv: sys.exit(main(argv)))
+    run_config_cli(run, errors=(ConfigError, R.RecordError, FileNotFoundError, FileExistsError,
+                                ValueError), report=_print_report)
