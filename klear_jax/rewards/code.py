@@ -35,8 +35,8 @@ import json
 import math
 import re
 import secrets
-import threading
 
+from klear_jax.rewards.pool import Closing, SharedPerConfig
 from klear_jax.rewards.sandbox import Sandbox, SandboxConfig
 
 _BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -205,7 +205,7 @@ def pass_to_reward(passed: int, total: int, mode: str) -> float:
     return 1.0 if total and passed == total else 0.0
 
 
-class CodeScorer:
+class CodeScorer(Closing):
     """Scores code responses concurrently on `sandbox.slots` threads (one sandbox per test).
 
     score_batch(responses, tests_list) -> rewards   (blocks; thread-safe)
@@ -259,28 +259,13 @@ class CodeScorer:
         self._batches.shutdown(wait=True)
         self._runs.shutdown(wait=True)
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-
-_default: dict = {}
-_default_lock = threading.Lock()
-
-
-def _scorer(cfg: CodeRewardConfig | None) -> CodeScorer:
-    cfg = cfg or CodeRewardConfig()
-    with _default_lock:
-        if cfg not in _default:
-            _default[cfg] = CodeScorer(cfg)
-        return _default[cfg]
+_shared = SharedPerConfig(CodeScorer, CodeRewardConfig)
 
 
 def code_reward_batch(responses: list[str], tests_list: list[dict],
                       cfg: CodeRewardConfig | None = None) -> list[float]:
-    return _scorer(cfg).score_batch(list(responses), list(tests_list))
+    return _shared.get(cfg).score_batch(list(responses), list(tests_list))
 
 
 def code_reward(response: str, tests: dict, cfg: CodeRewardConfig | None = None) -> float:

@@ -15,11 +15,9 @@ scores `wrong`. `math_reward` is the one-off form; the RL loop calls
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import threading
 
-from klear_jax.rewards.pool import DeadlinePool
+from klear_jax.rewards.pool import Closing, DeadlinePool, SharedPerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +65,7 @@ def final_answer_text(response: str) -> str:
     return response.rsplit("</think>", 1)[-1]
 
 
-class MathScorer:
+class MathScorer(Closing):
     """Owns a worker pool; `score_batch` is thread-safe. Close it (or use `with`)."""
 
     def __init__(self, cfg: MathRewardConfig | None = None):
@@ -92,38 +90,14 @@ class MathScorer:
     def close(self) -> None:
         self.pool.close()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-
-_default: dict = {}
-_default_lock = threading.Lock()
-
-
-def _scorer(cfg: MathRewardConfig | None) -> MathScorer:
-    cfg = cfg or MathRewardConfig()
-    with _default_lock:
-        if cfg not in _default:
-            if not _default:
-                atexit.register(_close_defaults)
-            _default[cfg] = MathScorer(cfg)
-        return _default[cfg]
-
-
-def _close_defaults() -> None:
-    with _default_lock:
-        for s in _default.values():
-            s.close()
-        _default.clear()
+_shared = SharedPerConfig(MathScorer, MathRewardConfig)
 
 
 def math_reward_batch(responses: list[str], answers: list[str],
                       cfg: MathRewardConfig | None = None) -> list[float]:
     """Rewards for a batch, scored concurrently by a shared per-config pool."""
-    return _scorer(cfg).score_batch(list(responses), list(answers))
+    return _shared.get(cfg).score_batch(list(responses), list(answers))
 
 
 def math_reward(response: str, answer: str, cfg: MathRewardConfig | None = None) -> float:

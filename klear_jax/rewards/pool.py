@@ -16,6 +16,7 @@ before they get work, so the import time never counts against an item's deadline
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import socket
@@ -49,6 +50,45 @@ def _worker_main(conn, fn_path: str) -> None:
             conn.send(("err", f"{type(e).__name__}: {e}"))
 
 
+class Closing:
+    """``with obj:`` closes ``obj`` on exit; subclasses define ``close()``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SharedPerConfig:
+    """One long-lived scorer per (hashable) config, built on first use and closed at
+    interpreter exit: what ``math_reward`` / ``code_reward`` use so single calls don't pay
+    pool start-up each time."""
+
+    def __init__(self, factory, default_config):
+        self._factory, self._default_config = factory, default_config
+        self._scorers: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, cfg=None):
+        cfg = cfg or self._default_config()
+        with self._lock:
+            if cfg not in self._scorers:
+                if not self._scorers:
+                    atexit.register(self.close_all)
+                self._scorers[cfg] = self._factory(cfg)
+            return self._scorers[cfg]
+
+    def close_all(self) -> None:
+        with self._lock:
+            for s in self._scorers.values():
+                s.close()
+            self._scorers.clear()
+
+
 class _Worker:
     """A fresh interpreter (`python -c`, not multiprocessing's spawn, so a parent run from
     stdin or a notebook needs no __main__ guard) talking over a socketpair Connection."""
@@ -78,7 +118,7 @@ class _Worker:
         self.conn.close()
 
 
-class DeadlinePool:
+class DeadlinePool(Closing):
     def __init__(self, fn_path: str, num_workers: int = 2, deadline_s: float = 10.0,
                  start_timeout_s: float = 120.0):
         if num_workers < 1:
@@ -178,9 +218,3 @@ class DeadlinePool:
                     pass
                 w.kill()
             self._workers = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
