@@ -28,11 +28,7 @@ def get_config(arg=None):
     # heads / MLP / the KV cache's kv heads 4 ways (measured by klear_jax.aot, docs/aot.md).
     c.mesh = dict(data=1, fsdp=shards, tensor=a.tensor)
     c.init = dict(source="orbax", path="", step=-1)  # the SFT run's checkpoints
-    c.model.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                   num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                   rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                   tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
-                   remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
+    c.model.update(config_utils.MODEL_PRESETS["qwen3_8b"])
     c.data.update(split="train", shuffle=True, num_epochs=0)
     # One prompt per batch shard per sampler call (the sampler pads prompts to a multiple of
     # data x fsdp): 8 responses x 36.8K tokens x 147 KB/token (bf16 KV) = 43 GB per shard,

@@ -17,10 +17,7 @@ def get_config(arg=None):
     c = rl_config.rl_base()
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
-    c.model.update(vocab_size=a.vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-                   rope_theta=10000.0, dtype="float32", param_dtype="float32",
-                   logprob_chunk_size=32)
+    c.model.update(config_utils.MODEL_PRESETS["tiny"], vocab_size=a.vocab)
     c.data.update(num_epochs=0)
     c.rollout.update(prompts_per_step=8, group_size=8, temperature=1.0, top_p=1.0,
                      max_prompt_len=64, max_new_tokens=32, sample_chunk_prompts=0)

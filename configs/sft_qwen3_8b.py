@@ -23,11 +23,7 @@ def get_config(arg=None):
     c.mesh = dict(data=1, fsdp=a.chips, tensor=1)
     c.init = dict(source="hf", path="", step=-1)
     # Qwen3-8B architecture (overridden by the checkpoint's config.json for init=hf/orbax).
-    c.model.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                   num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                   rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                   tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
-                   remat_policy="full", attention_impl="splash", logprob_chunk_size=1024)
+    c.model.update(config_utils.MODEL_PRESETS["qwen3_8b"])
     c.data.update(split="train", num_epochs=4, overlong="truncate", num_packing_bins=128)
     # One 32K row per chip per micro-batch (v5p-64: 2 micro-batches; v6e-64, chips=64: 1):
     # measured by klear_jax.aot, see docs/aot.md.

@@ -116,6 +116,21 @@ def sft_base() -> ml_collections.ConfigDict:
 
 
 # ------------------------------------------------------------------------------ validation
+# Architectures shared by config files (``c.model.update(MODEL_PRESETS[...])``).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-8B (overridden by the checkpoint's config.json for init=hf/orbax); TPU pod
+    # settings: bf16 compute over f32 master weights, full remat, splash attention.
+    "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                     tie_word_embeddings=False, dtype="bfloat16", param_dtype="float32",
+                     remat_policy="full", attention_impl="splash", logprob_chunk_size=1024),
+    # A Qwen3-shaped model that trains on CPU in seconds (tests, smoke runs); set vocab_size.
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=8, max_position_embeddings=256, rope_theta=10000.0,
+                 dtype="float32", param_dtype="float32", logprob_chunk_size=32),
+}
+
 DTYPES = ("float32", "bfloat16")
 INIT_SOURCES = ("scratch", "hf", "orbax")
 
