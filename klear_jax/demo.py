@@ -65,7 +65,7 @@ def build_data(workdir: str, size: str, seed: int) -> dict:
     s = demo_settings(size)
     info = dt.build_task_files(os.path.join(workdir, "data"), seed, s.n_sft, s.n_rl, s.n_eval,
                                s.math_error, s.code_error, s.code_frac, tuple(s.num_ops),
-                               s.num_tests)
+                               s.num_tests, s.max_operand)
     tok_dir = os.path.join(workdir, "tokenizer")
     tok = tk.train_tokenizer(dt.tokenizer_corpus(info["paths"]), s.vocab, tok_dir)
     if len(tok) > s.vocab:

@@ -132,7 +132,8 @@ def write_jsonl(path: str, rows: Iterable[dict]) -> int:
 
 def build_task_files(out_dir: str, seed: int, n_sft: int, n_rl: int, n_eval: int,
                      math_error: float, code_error: float, code_frac: float = 0.4,
-                     num_ops: tuple[int, int] = (2, 3), num_tests: int = 4) -> dict:
+                     num_ops: tuple[int, int] = (2, 3), num_tests: int = 4,
+                     max_operand: int = 9) -> dict:
     """Writes the demo's JSONL files into ``out_dir``; returns their paths and teacher stats.
 
     sft.jsonl          {"messages": [user, assistant], "source"}: teacher traces, mixed tasks
@@ -154,7 +155,8 @@ def build_task_files(out_dir: str, seed: int, n_sft: int, n_rl: int, n_eval: int
             tries += 1
             if tries > 50 * n + 1000:
                 raise RuntimeError(f"demo tasks: cannot draw {n} {kind} problems")
-            p = math_problem(rng, num_ops) if kind == "math" else code_problem(rng, num_tests)
+            p = (math_problem(rng, num_ops, max_operand) if kind == "math"
+                 else code_problem(rng, num_tests))
             key = p["problem"] if kind == "math" else p["expr"]
             if key in seen:
                 continue

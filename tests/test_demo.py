@@ -36,7 +36,7 @@ def test_teacher_labels_agree_with_the_real_rewards():
 
 def test_task_files_hold_out_eval_problems(tmp_path):
     info = dt.build_task_files(str(tmp_path), seed=3, n_sft=200, n_rl=60, n_eval=20,
-                               math_error=0.3, code_error=0.3)
+                               math_error=0.3, code_error=0.3, max_operand=5)
     p = info["paths"]
     rows = {k: [json.loads(line) for line in open(v)] for k, v in p.items()}
     assert set(rows["heldout_math"][0]) == {"problem", "answer"}
@@ -53,6 +53,10 @@ def test_task_files_hold_out_eval_problems(tmp_path):
         {fn(r["messages"][0]["content"]) for r in rows["sft"] if "Write f" in
          r["messages"][0]["content"]}
     assert held_fns and not held_fns & train_fns
+    import re
+    nums = {int(n) for r in rows["heldout_math"] + rows["rl_math"] for n in
+            re.findall(r"\d+", r["problem"])}
+    assert nums and max(nums) <= 5 and min(nums) >= 1  # max_operand reaches the problems
     assert 0.5 < info["teacher_accuracy"]["math"] < 0.9
     assert len(rows["sft"]) == 200 and info["counts"]["heldout_code"] == 20
 
@@ -113,9 +117,11 @@ def test_demo_tiny_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_demo_full_size(tmp_path):
-    """The README's command at full size (minutes on an idle 2-core CPU); RL must beat SFT
-    on held-out math at the RL sampling temperature."""
+    """The README's command at full size (minutes on an idle 2-core CPU) against issue 6's
+    target: RL raises held-out math avg@4 at T=1.0 by >= 10 points over SFT, and code too.
+    As of docs/demo.md's latest results the math half of this is NOT met (see there)."""
     w = tmp_path / "demo"
     s = _run_demo(w, "default", timeout=3600)
     _check_outputs(w, s)
-    assert s["math"]["rl_accuracy"] > s["math"]["sft_accuracy"]
+    assert s["code"]["rl_accuracy"] > s["code"]["sft_accuracy"] + 0.05, s["code"]
+    assert s["math"]["rl_accuracy"] >= s["math"]["sft_accuracy"] + 0.10, s["math"]
