@@ -94,13 +94,15 @@ def run_sft(workdir: str, data: dict, size: str, seed: int, steps: int = 0) -> d
 
 
 def run_rl(workdir: str, name: str, init_dir: str, data: dict, task: str, size: str,
-           seed: int, steps: int = 0, overrides=()) -> dict:
-    """One GPPO run on ``task`` ('math' | 'code') from the params in ``init_dir``."""
+           seed: int, steps: int = 0, overrides=(), allow_unsandboxed: bool = False) -> dict:
+    """One GPPO run on ``task`` ('math' | 'code') from the params in ``init_dir``;
+    ``allow_unsandboxed`` lets the code rewards run without bubblewrap (the demo's flag)."""
     from klear_jax import rl
     cfg = load_demo_config("rl", size, steps, [
         f"workdir={os.path.join(workdir, name)}", f"data.dir={data['tfds']}",
         f"data.name=demo_rl_{task}", f"data.tokenizer={data['tokenizer']}",
-        f"init.path={init_dir}", f"seed={seed}", *overrides])
+        f"init.path={init_dir}", f"seed={seed}",
+        f"reward.code.allow_unsandboxed={str(bool(allow_unsandboxed)).lower()}", *overrides])
     t0 = time.perf_counter()
     out = rl.run(cfg)
     return {"steps": out["step"], "updates": out["updates"], "stopped": out["stopped"],
@@ -177,7 +179,8 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
     rl_math = timed("rl_math", run_rl, workdir, "rl_math", sft["dir"], data, "math", size,
                     seed, rl_steps)
     rl_code = timed("rl_code", run_rl, workdir, "rl_code", rl_math["dir"], data, "code", size,
-                    seed, code_rl_steps or s.code_rl_steps, s.code_rl_overrides)
+                    seed, code_rl_steps or s.code_rl_steps, s.code_rl_overrides,
+                    allow_unsandboxed)
     ev_dir = os.path.join(workdir, "eval")
     sft_res = timed("eval_sft", run_eval, sft["dir"], data, os.path.join(ev_dir, "sft"), size,
                     seed, allow_unsandboxed)
@@ -243,7 +246,7 @@ def run_ablation(workdir: str, size: str = "default", seeds: int = 0,
             run = f"{name}_s{seed}"
             steps = rl_steps or (s.code_rl_steps if task == "code" else 0)
             r = run_rl(ab, run, sft_dir, data, task, size, seed, steps,
-                       [*ov, f"train.num_minibatches={K}"])
+                       [*ov, f"train.num_minibatches={K}"], allow_unsandboxed)
             res = run_eval(r["dir"], data, os.path.join(ab, "eval_" + run), size, seed,
                            allow_unsandboxed, temperatures=(1.0,), tasks=(task,), greedy=False)
             m = res[task]["t1_0"]

@@ -53,10 +53,11 @@ def format_summary(s: dict) -> str:
     parts = []
     for task in ("math", "code"):
         t = s[task]
+        extra = [f"{name} {t['sft_' + tag]['accuracy']:.3f} -> {t['rl_' + tag]['accuracy']:.3f}"
+                 for tag, name in (("t0_6", "T=0.6"), ("greedy", "greedy"))
+                 if f"sft_{tag}" in t and f"rl_{tag}" in t]  # settings the eval ran
         parts.append(f"{task}: avg@k T=1.0 SFT {t['sft_accuracy']:.3f} -> RL "
-                     f"{t['rl_accuracy']:.3f} (T=0.6 {t['sft_t0_6']['accuracy']:.3f} -> "
-                     f"{t['rl_t0_6']['accuracy']:.3f}; greedy {t['sft_greedy']['accuracy']:.3f}"
-                     f" -> {t['rl_greedy']['accuracy']:.3f})")
+                     f"{t['rl_accuracy']:.3f}" + (f" ({'; '.join(extra)})" if extra else ""))
     return "; ".join(parts) + f"; wall {s['wall_time_s']:.0f} s"
 
 

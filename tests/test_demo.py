@@ -71,12 +71,36 @@ def test_missing_bwrap_fails_clearly(monkeypatch, tmp_path, capsys):
     assert demo.check_sandbox(allow_unsandboxed=True) == "unsandboxed"
 
 
+@pytest.mark.parametrize("allow", [True, False])
+def test_run_rl_passes_allow_unsandboxed_to_the_code_rewards(monkeypatch, allow):
+    """--allow_unsandboxed must reach the RL code scorer, not just the eval: without it the
+    code RL stage of a run on a machine without bwrap died with SandboxUnavailable."""
+    from klear_jax import rl, rl_config
+    seen = {}
+
+    def fake_run(cfg):
+        seen["sandbox"] = rl_config.code_reward_config(cfg).sandbox
+        return {"step": 0, "updates": 0, "stopped": "done"}
+    monkeypatch.setattr(rl, "run", fake_run)
+    data = {"tfds": "/nonexistent/tfds", "tokenizer": "/nonexistent/tok"}
+    demo.run_rl("/tmp/unused", "rl_code", "/nonexistent/sft", data, "code", "tiny", 0, 1,
+                ("optim.lr=2e-4",), allow_unsandboxed=allow)
+    assert seen["sandbox"].allow_unsandboxed is allow
+
+
+def _has_bwrap() -> bool:
+    import shutil
+    return shutil.which("bwrap") is not None
+
+
 def _run_demo(workdir, size, timeout):
+    """The demo CLI; where bwrap is missing, with --allow_unsandboxed (that path must work too)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device, as a user's first run
+    extra = [] if _has_bwrap() else ["--allow_unsandboxed"]
     r = subprocess.run([sys.executable, "-m", "klear_jax.demo", "--workdir", str(workdir),
-                        "--size", size], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+                        "--size", size, *extra], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
@@ -87,7 +111,7 @@ def _check_outputs(w, s):
         t = s[task]
         for key in ("sft_accuracy", "rl_accuracy"):
             assert 0.0 <= t[key] <= 1.0
-        for tag in ("t1_0", "t0_6", "greedy"):
+        for tag in ("t1_0", "greedy"):  # T=0.6 only when demo_settings asks for it
             for who in ("sft", "rl"):
                 assert 0.0 <= t[f"{who}_{tag}"]["accuracy"] <= 1.0
                 assert 0.0 <= t[f"{who}_{tag}"]["pass_rate"] <= 1.0
@@ -112,14 +136,16 @@ def test_demo_tiny_end_to_end(tmp_path):
     w = tmp_path / "demo"
     s = _run_demo(w, "tiny", timeout=900)
     _check_outputs(w, s)
-    assert s["size"] == "tiny" and s["sandbox"].startswith("bwrap")
+    assert s["size"] == "tiny"
+    assert s["sandbox"].startswith("bwrap") if _has_bwrap() else s["sandbox"] == "unsandboxed"
 
 
 @pytest.mark.slow
 def test_demo_full_size(tmp_path):
     """The README's command at full size (minutes on an idle 2-core CPU) against issue 6's
     target: RL raises held-out math avg@4 at T=1.0 by >= 10 points over SFT, and code too.
-    As of docs/demo.md's latest results the math half of this is NOT met (see there)."""
+    As of docs/demo.md's latest results the math half of this is NOT met at the final
+    checkpoint (math RL alone gives +10-12; the code stage takes some back; see there)."""
     w = tmp_path / "demo"
     s = _run_demo(w, "default", timeout=3600)
     _check_outputs(w, s)
