@@ -13,7 +13,7 @@ Usage (the RL loop and the eval command call exactly this)::
 ``state`` is the trainer's own parameter State (``graphdef, state = nnx.split(model)``); it is
 passed into the jitted functions as an argument, so nothing is copied and the parameter
 shardings are the trainer's. Each call runs two jitted functions: ``prefill`` (the left-padded
-prompts [Bp, P] through the model into a fresh KV cache [L, B, P + M, K, hd] sharded by
+prompts [Bp, P] through the model into a fresh KV cache (L per-layer [B, K, P + M, hd]) sharded by
 ``cache_shardings``, the cache repeated n times per prompt, first token sampled) and ``decode``
 (a ``lax.while_loop`` of one-token steps that exits as soon as every row has stopped).
 Prompt lengths are bucketed to powers of two (``bucket_length``) and prompt rows padded to a
@@ -210,7 +210,8 @@ class Sampler:
                 jnp.arange(Bp)[:, None], ids].max(seg) > 0
         if n > 1:
             rep = lambda x, axis: jnp.repeat(x, n, axis=axis)
-            cache = {"k": rep(cache["k"], 1), "v": rep(cache["v"], 1),
+            cache = {"k": tuple(rep(x, 0) for x in cache["k"]),
+                     "v": tuple(rep(x, 0) for x in cache["v"]),
                      "positions": rep(cache["positions"], 0),
                      "segment_ids": rep(cache["segment_ids"], 0), "index": cache["index"]}
             raw = rep(raw, 0)
@@ -234,6 +235,7 @@ class Sampler:
     def _decode(self, st: _Static, state, carry, phash, sid, seed, temperature, top_p, penalty,
                 stop_ids):
         model = nnx.merge(self.graphdef, state)
+        layers = model.layer_states()  # per-layer weights, sliced once outside the loop
         M = st.max_new_tokens
         keys = su.row_keys(seed, phash, sid)
 
@@ -244,7 +246,7 @@ class Sampler:
             i = c["step"]
             last = c["last"][:, None]
             h, cache = model.hidden_states(last, segment_ids=jnp.ones_like(last),
-                                           cache=c["cache"])
+                                           cache=c["cache"], layers=layers)
             raw = model.logits(h)[:, 0]
             tok, lp = self._sample(st, raw, c["presence"], su.step_keys(keys, i), temperature,
                                    top_p, penalty)

@@ -93,7 +93,8 @@ def test_kv_cache_under_mesh_matches_full_forward(reference):
     graphdef, state = nnx.split(model)
     cache = init_cache(CFG, 4, 12)
     cache = jax.device_put(cache, cache_shardings(cache, mesh))
-    assert cache["k"].sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert len(cache["k"]) == CFG.num_layers
+    assert cache["k"][0].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
 
     @jax.jit
     def step(state, ids, cache):

@@ -2,7 +2,8 @@
 
 Layers are stored stacked (every per-layer parameter has a leading L axis) and run under
 ``jax.lax.scan``, so compile time does not grow with depth; the layer body is wrapped in
-``jax.checkpoint`` with the configured policy. Every ``nnx.Param`` carries its logical
+``jax.checkpoint`` with the configured policy. With a KV cache (sampling) the layers are
+unrolled instead, each over its own cache buffer. Every ``nnx.Param`` carries its logical
 axis names in the ``logical_axes`` metadata; ``param_shardings`` maps them to a mesh.
 
 Parameter layout (paths inside ``nnx.state(model)``)::
@@ -31,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klear_jax import sharding as shd
-from klear_jax.models.attention import (apply_rope, attention, positions_from_segment_ids,
-                                        rope_cos_sin)
+from klear_jax.models.attention import (apply_rope, attention, cached_attention,
+                                        positions_from_segment_ids, rope_cos_sin)
 from klear_jax.models.config import ModelConfig, remat_policy, rope_frequencies
 
 _INIT_STD = 0.02
@@ -100,9 +101,9 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, q_pos, q_seg, kv):
         """x [B, T, D] -> ([B, T, D], updated (cache_k, cache_v) or None).
 
-        ``kv`` is None (attend within x) or (cache_k, cache_v, layer, kv_pos, kv_seg, index):
-        the whole stacked cache [L, B, S, K, hd]; this layer's new k/v are written at
-        [layer, :, index:index + T] (in place under donation) and attention reads that layer.
+        ``kv`` is None (attend within x) or (cache_k, cache_v, kv_pos, kv_seg, index): this
+        layer's cache [B, K, S, hd]; the new k/v are written at [:, :, index:index + T] (in
+        place under donation) and attention reads the cache.
         """
         q = self.q_proj(x, "btd,dhk->bthk")
         k = self.k_proj(x, "btd,dhk->bthk")
@@ -117,16 +118,16 @@ class Attention(nnx.Module):
             out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl)
             new_cache = None
         else:
-            ck, cv, layer, kv_pos, kv_seg, index = kv
+            ck, cv, kv_pos, kv_seg, index = kv
             zero = jnp.zeros((), jnp.int32)
-            start = (layer, zero, index, zero, zero)
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), start)
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), start)
-            names = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
-            ck, cv = shd.constrain(ck, names), shd.constrain(cv, names)
-            k_l = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(q.dtype)
-            v_l = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(q.dtype)
-            out = attention(q, k_l, v_l, q_pos, kv_pos, q_seg, kv_seg, impl="xla")
+            # Head-major [B, K, S, hd]: a row-head's keys are one [S, hd] block, the layout
+            # both attention dots read without a transposed copy.
+            start = (zero, zero, index, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k.swapaxes(1, 2).astype(ck.dtype), start)
+            cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype), start)
+            ck, cv = shd.constrain(ck, CACHE_LAYER_AXES), shd.constrain(cv, CACHE_LAYER_AXES)
+            out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos, kv_pos,
+                                   q_seg, kv_seg)
             new_cache = (ck, cv)
         y = self.o_proj(out, "bthk,hkd->btd")
         return y, new_cache
@@ -190,12 +191,21 @@ class Qwen(nnx.Module):
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def hidden_states(self, input_ids, positions=None, segment_ids=None, cache=None):
+    def layer_states(self):
+        """The stacked layer parameters split into L per-layer States (copies). A decode loop
+        takes them once, outside the loop: slicing the stacked weights inside it would copy
+        every layer's weights at every step."""
+        state = nnx.state(self.layers)
+        return tuple(jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers))
+
+    def hidden_states(self, input_ids, positions=None, segment_ids=None, cache=None,
+                      layers=None):
         """(h [B, T, D] after the final norm, new cache or None).
 
         input_ids int32 [B, T]; segment_ids int32 [B, T] (0 = padding; default ones);
         positions int32 [B, T] (default: position inside each segment, or, with a cache,
-        continuing from the cache's filled slots of the row).
+        continuing from the cache's filled slots of the row). ``layers``: optional
+        ``layer_states()`` to use with a cache (default: sliced from the stacked parameters).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -217,43 +227,37 @@ class Qwen(nnx.Module):
         cos, sin = rope_cos_sin(positions, inv_freq, scaling, dtype)
 
         graphdef, state = nnx.split(self.layers)
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if cache is not None:
             index = jnp.asarray(cache["index"], jnp.int32)
             zero = jnp.zeros((), jnp.int32)
             kv_pos = jax.lax.dynamic_update_slice(cache["positions"], positions, (zero, index))
             kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids, (zero, index))
 
-            # The stacked cache rides in the carry so each layer updates it in place.
-            def body(carry, xs):
-                h, ck, cv = carry
-                layer_state, i = xs
-                layer = nnx.merge(graphdef, layer_state)
-                h, (ck, cv) = layer(h, cos, sin, positions, segment_ids,
-                                    (ck, cv, i, kv_pos, kv_seg, index))
-                return (h, ck, cv), None
-            carry = (x, cache["k"], cache["v"])
-        else:
-            def body(h, xs):
-                layer = nnx.merge(graphdef, xs[0])
-                h, _ = layer(h, cos, sin, positions, segment_ids, None)
-                return h, None
-            carry = x
-        policy = cfg.remat_policy
-        if policy != "none" and cache is None:
-            body = jax.checkpoint(body, policy=remat_policy(policy), prevent_cse=False)
+            # Sampling unrolls the layers over the per-layer caches: each layer's buffer is
+            # updated in place and read by the attention dots directly (slicing one layer
+            # out of a stacked [L, ...] cache inside a scan copies it, every step).
+            ks, vs = list(cache["k"]), list(cache["v"])
+            layers = self.layer_states() if layers is None else layers
+            for i in range(cfg.num_layers):
+                layer = nnx.merge(graphdef, layers[i])
+                x, (ks[i], vs[i]) = layer(x, cos, sin, positions, segment_ids,
+                                          (ks[i], vs[i], kv_pos, kv_seg, index))
+            new_cache = {"k": tuple(ks), "v": tuple(vs), "positions": kv_pos,
+                         "segment_ids": kv_seg, "index": index + T}
+            return self.final_norm(x), new_cache
+
+        def body(h, xs):
+            layer = nnx.merge(graphdef, xs)
+            h, _ = layer(h, cos, sin, positions, segment_ids, None)
+            return h, None
+        if cfg.remat_policy != "none":
+            body = jax.checkpoint(body, policy=remat_policy(cfg.remat_policy), prevent_cse=False)
         if cfg.scan_layers:
-            carry, _ = jax.lax.scan(body, carry, (state, layer_ids))
+            x, _ = jax.lax.scan(body, x, state)
         else:  # unrolled: compile time grows with depth (kept for comparison / debugging)
             for i in range(cfg.num_layers):
-                carry, _ = body(carry, (jax.tree.map(lambda a, i=i: a[i], state), layer_ids[i]))
-        x = carry if cache is None else carry[0]
-        h = self.final_norm(x)
-        new_cache = None
-        if cache is not None:
-            new_cache = {"k": carry[1], "v": carry[2], "positions": kv_pos,
-                         "segment_ids": kv_seg, "index": index + T}
-        return h, new_cache
+                x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], state))
+        return self.final_norm(x), None
 
     def __call__(self, input_ids, positions=None, segment_ids=None):
         """Logits float32 [B, T, V] (materialised whole: use token_logprobs for long T)."""
@@ -279,21 +283,23 @@ class Qwen(nnx.Module):
 
 # ------------------------------------------------------------------------- KV cache
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
-    """Empty KV cache: k, v [L, B, S, K, hd]; positions, segment_ids int32 [B, S] (0 = empty
-    slot); index int32 scalar (next slot to write; all rows share it, so prompts are
+    """Empty KV cache: k, v tuples of L per-layer [B, K, S, hd] arrays (head-major);
+    positions, segment_ids int32 [B, S] (0 = empty slot); index int32 scalar (next slot to write; all rows share it, so prompts are
     left-padded). ``max_len`` must cover prompt + generated tokens: a write past the end is
     clamped by dynamic_update_slice (overwrites the last slots), so size it up front."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    layers = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return {"k": layers(), "v": layers(),
             "positions": jnp.zeros((batch, max_len), jnp.int32),
             "segment_ids": jnp.zeros((batch, max_len), jnp.int32),
             "index": jnp.zeros((), jnp.int32)}
 
 
-CACHE_LOGICAL_AXES = {
-    "k": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim"),
-    "v": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim"),
+CACHE_LAYER_AXES = ("cache_batch", "cache_kv_heads", "cache_length", "cache_head_dim")
+CACHE_LOGICAL_AXES = {  # k / v: per layer
+    "k": CACHE_LAYER_AXES,
+    "v": CACHE_LAYER_AXES,
     "positions": ("cache_batch", "cache_length"),
     "segment_ids": ("cache_batch", "cache_length"),
     "index": (),
@@ -301,8 +307,9 @@ CACHE_LOGICAL_AXES = {
 
 
 def cache_shardings(cache, mesh):
-    """NamedSharding per cache leaf (same dict structure as ``init_cache``)."""
-    return {k: shd.named_sharding(mesh, CACHE_LOGICAL_AXES[k], jnp.shape(v))
+    """NamedSharding per cache leaf (same structure as ``init_cache``)."""
+    return {k: jax.tree.map(lambda x, k=k: shd.named_sharding(mesh, CACHE_LOGICAL_AXES[k],
+                                                              jnp.shape(x)), v)
             for k, v in cache.items()}
 
 
