@@ -44,30 +44,27 @@ def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     [B, T] (queries) and [B, S] (keys). Scores and softmax in float32. Returns [B, T, H, hd]
     in q's dtype.
     """
-    B, T, H, hd = q.shape
-    K = k.shape[2]
-    if H % K:
-        raise ValueError(f"xla_attention: {H} query heads not a multiple of {K} kv heads")
-    scale = hd ** -0.5 if scale is None else scale
-    qg = q.reshape(B, T, K, H // K, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    p = _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, hd).astype(q.dtype)
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"xla_attention: {q.shape[2]} query heads not a multiple of "
+                         f"{k.shape[2]} kv heads")
+    # Head-major k / v: both dots become plain batched matmuls (measured ~5% faster train step
+    # on CPU than contracting the [B, S, K, hd] layout directly).
+    return cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), q_positions, kv_positions,
+                            q_segment_ids, kv_segment_ids, scale=scale)
 
 
-def cached_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
-    """``xla_attention`` over a head-major KV cache: k, v [B, K, S, hd] (the sampler's layout),
-    q [B, T, H, hd] (T = 1 when decoding). Returns [B, T, H, hd] in q's dtype."""
+def cached_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                     scale: float | None = None):
+    """``xla_attention`` over head-major k, v [B, K, S, hd] (the KV cache's layout); q
+    [B, T, H, hd] (T = 1 when decoding). Returns [B, T, H, hd] in q's dtype."""
     B, T, H, hd = q.shape
     K = k.shape[1]
-    qg = q.reshape(B, T, K, H // K, hd).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, hd]: tiny
-    # Both dots are asked for in the order that keeps the cache a plain (untransposed) [S, hd]
-    # operand, and the small results are transposed after: with the usual orders
-    # (bkgtd,bksd->bkgts and ...->btkgd) XLA CPU ran decode attention 4-7x slower.
-    s = jnp.einsum("bksd,bkgtd->bksgt", k, qg, preferred_element_type=jnp.float32)
-    s = s.transpose(0, 1, 3, 4, 2) * hd ** -0.5  # [B, K, G, T, S]
+    scale = hd ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, K, H // K, hd).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, hd]
+    # Outputs in the dots' natural order and the results transposed after: asking for
+    # ...->btkgd made XLA CPU contract v's S axis as a transposed operand (decode attention
+    # several times slower).
+    s = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     p = _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)
