@@ -25,7 +25,6 @@ consecutive skips (see ``SkipGuard``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Mapping
 
 import flax

@@ -68,7 +68,6 @@ def test_same_logits_on_meshes(reference, name):
 
 
 def test_parameters_sharded_by_logical_names():
-    mesh = _mesh("d2f2t2")
     model = sharded_model("d2f2t2")
     q = model.layers.attn.q_proj.kernel.get_value()
     assert q.sharding.spec == P(None, "fsdp", "tensor", None)

@@ -3,7 +3,6 @@ through the real data path (prepare -> TFDS -> rl_prompt_batches), math-verify r
 sample -> score -> advantages -> old log-probs -> updates -> metrics -> checkpoint -> resume."""
 import json
 import math
-import os
 import random
 
 import jax
