@@ -11,8 +11,9 @@ Stages (each a real entry point of the project, called in-process with a config 
             ArrayRecord datasets written by ``klear_jax.data.prepare``; held-out problems
             as JSONL in the eval command's input format (DIR/data/heldout_{math,code}.jsonl).
   2. sft    ``klear_jax.sft`` trains a small Qwen3-architecture model from scratch.
-  3. rl     ``klear_jax.rl`` with GPPO: math (math-verify rewards), then code (soft pass
-            rate of the hidden tests, run in the bubblewrap sandbox), from the SFT weights.
+  3. rl     ``klear_jax.rl`` with GPPO from the SFT weights: code (soft pass rate of the
+            hidden tests, run in the bubblewrap sandbox), then math (math-verify rewards);
+            the order is ``demo_settings().rl_order`` (math last keeps the math gain).
   4. eval   ``klear_jax.eval`` reloads the SFT and the final RL checkpoints from disk and
             scores the held-out sets: avg@k at temperatures 1.0 and 0.6, and greedy.
 Writes DIR/summary.json, DIR/curves.png, TensorBoard logs under DIR/{sft,rl_math,rl_code}/tb.
