@@ -146,7 +146,7 @@ def test_demo_tiny_end_to_end(tmp_path):
 def test_demo_full_size(tmp_path):
     """The README's command at full size (minutes on an idle 2-core CPU) against issue 6's
     target: RL raises held-out math avg@4 at T=1.0 by >= 10 points over SFT, and code too
-    (docs/demo.md: met on seeds 0 and 1, +17.2 / +11.4 math, with code RL before math RL)."""
+    (docs/demo.md: met on seeds 0, 1, 2: math +17.2 / +11.4 / +12.9, code RL before math)."""
     w = tmp_path / "demo"
     s = _run_demo(w, "default", timeout=3600)
     _check_outputs(w, s)
