@@ -11,8 +11,9 @@ Stages (each a real entry point of the project, called in-process with a config 
             ArrayRecord datasets written by ``klear_jax.data.prepare``; held-out problems
             as JSONL in the eval command's input format (DIR/data/heldout_{math,code}.jsonl).
   2. sft    ``klear_jax.sft`` trains a small Qwen3-architecture model from scratch.
-  3. rl     ``klear_jax.rl`` with GPPO: math (math-verify rewards), then code (soft pass
-            rate of the hidden tests, run in the bubblewrap sandbox), from the SFT weights.
+  3. rl     ``klear_jax.rl`` with GPPO from the SFT weights: code (soft pass rate of the
+            hidden tests, run in the bubblewrap sandbox), then math (math-verify rewards);
+            the order is ``demo_settings().rl_order`` (math last keeps the math gain).
   4. eval   ``klear_jax.eval`` reloads the SFT and the final RL checkpoints from disk and
             scores the held-out sets: avg@k at temperatures 1.0 and 0.6, and greedy.
 Writes DIR/summary.json, DIR/curves.png, TensorBoard logs under DIR/{sft,rl_math,rl_code}/tb.
@@ -125,9 +126,9 @@ def run_eval(ckpt_dir: str, data: dict, out_dir: str, size: str, seed: int,
                 for t in temps]
     settings += [] if not greedy else [ev.Setting("greedy", temperature=0.0, max_new_tokens=s.eval_max_new_tokens,
                                num_samples=1)]
-    code = CodeRewardConfig(sandbox=SandboxConfig(timeout_s=5.0, max_tests=s.num_tests,
-                                                  memory_mb=512,
-                                                  allow_unsandboxed=allow_unsandboxed))
+    sandbox = SandboxConfig(timeout_s=5.0, max_tests=s.num_tests, memory_mb=512,
+                            allow_unsandboxed=allow_unsandboxed)
+    code = CodeRewardConfig(dedupe=True, sandbox=sandbox)
     out = ev.evaluate(ckpt_dir, data["tokenizer"], benches, settings, out_dir=out_dir,
                       seed=seed, max_prompt_len=64, math_reward=MathRewardConfig(num_workers=1),
                       code_reward=code, log=log.info)
@@ -176,15 +177,20 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
 
     data = timed("data", build_data, workdir, size, seed)
     sft = timed("sft", run_sft, workdir, data, size, seed, sft_steps)
-    rl_math = timed("rl_math", run_rl, workdir, "rl_math", sft["dir"], data, "math", size,
-                    seed, rl_steps)
-    rl_code = timed("rl_code", run_rl, workdir, "rl_code", rl_math["dir"], data, "code", size,
-                    seed, code_rl_steps or s.code_rl_steps, s.code_rl_overrides,
-                    allow_unsandboxed)
+    runs, init = {}, sft["dir"]  # RL stages chained in demo_settings().rl_order
+    for task in s.rl_order:
+        if task == "math":
+            r = timed("rl_math", run_rl, workdir, "rl_math", init, data, "math", size, seed,
+                      rl_steps)
+        else:
+            r = timed("rl_code", run_rl, workdir, "rl_code", init, data, "code", size, seed,
+                      code_rl_steps or s.code_rl_steps, s.code_rl_overrides, allow_unsandboxed)
+        runs[task], init = r, r["dir"]
+    rl_math, rl_code, final = runs["math"], runs["code"], runs[s.rl_order[-1]]
     ev_dir = os.path.join(workdir, "eval")
     sft_res = timed("eval_sft", run_eval, sft["dir"], data, os.path.join(ev_dir, "sft"), size,
                     seed, allow_unsandboxed)
-    rl_res = timed("eval_rl", run_eval, rl_code["dir"], data, os.path.join(ev_dir, "rl"), size,
+    rl_res = timed("eval_rl", run_eval, final["dir"], data, os.path.join(ev_dir, "rl"), size,
                    seed, allow_unsandboxed)
     summary = task_summary(sft_res, rl_res, s.eval_k)
     summary.update({
@@ -193,10 +199,13 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
                   "rl_updates": rl_math["updates"] + rl_code["updates"]},
         "teacher_accuracy": data["teacher_accuracy"], "counts": data["counts"],
         "heldout": {k: data["paths"][f"heldout_{k}"] for k in ("math", "code")},
-        "checkpoints": {"sft": sft["dir"], "rl": rl_code["dir"], "rl_math": rl_math["dir"]},
+        "rl_order": list(s.rl_order),
+        "checkpoints": {"sft": sft["dir"], "rl": final["dir"], "rl_math": rl_math["dir"],
+                        "rl_code": rl_code["dir"]},
         "stage_wall_s": times, "wall_time_s": time.perf_counter() - t0,
         "load_average": list(os.getloadavg()), "cpu_count": os.cpu_count()})
-    demo_report.plot_curves([rl_math["dir"], rl_code["dir"]], os.path.join(workdir, "curves.png"))
+    demo_report.plot_curves([runs[t]["dir"] for t in s.rl_order],
+                            os.path.join(workdir, "curves.png"))
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     log.info("demo: %s", demo_report.format_summary(summary))

@@ -62,11 +62,12 @@ def format_summary(s: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ ablation
-def _ms(xs) -> str:
+def _ms(xs, digits: int = 3) -> str:
     xs = np.asarray(xs, np.float64)
     if xs.size == 0:
         return "-"
-    return f"{xs.mean():.3f} +- {xs.std(ddof=1) if xs.size > 1 else 0.0:.3f}"
+    sd = xs.std(ddof=1) if xs.size > 1 else 0.0
+    return f"{xs.mean():.{digits}f} +- {sd:.{digits}f}"
 
 
 def ablation_table(rows: list[dict], sft_acc: dict) -> str:
@@ -86,8 +87,8 @@ def ablation_table(rows: list[dict], sft_acc: dict) -> str:
         g = [r for r in rows if r["variant"] == v and r["task"] == t]
         lines.append(f"| {v} | {t} | {len(g)} | {_ms([r['accuracy'] for r in g])} | "
                      f"{_ms([r['pass_rate'] for r in g])} | "
-                     f"{_ms([r['clipfrac_low'] for r in g])} | "
-                     f"{_ms([r['clipfrac_high'] for r in g])} |")
+                     f"{_ms([r['clipfrac_low'] for r in g], 4)} | "
+                     f"{_ms([r['clipfrac_high'] for r in g], 4)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -61,7 +61,7 @@ def eval_base() -> ml_collections.ConfigDict:
                   require_open_think=True, num_workers=2, deadline_s=10.0, verify_timeout_s=5),
         code=dict(no_code=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
                   require_open_think=True, timeout_s=35.0, max_tests=16, memory_mb=1024,
-                  num_slots=0, allow_unsandboxed=False))
+                  num_slots=0, allow_unsandboxed=False, dedupe=False))
     return c
 
 

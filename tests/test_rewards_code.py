@@ -89,6 +89,27 @@ def test_submit_batch_returns_future(scorer):
     assert fut.result(timeout=60) == [0.75] * 3
 
 
+def test_dedupe_runs_identical_programs_once(monkeypatch):
+    import klear_jax.rewards.code as code_mod
+    calls = []
+    real = code_mod._run_one
+
+    def counting(sandbox, code, tests, i):
+        calls.append((code, i))
+        return real(sandbox, code, tests, i)
+
+    monkeypatch.setattr(code_mod, "_run_one", counting)
+    good, bad = resp("print(2*int(input()))"), resp("print(0)")
+    other = {"inputs": ["5\n"], "outputs": ["10\n"]}
+    batch = [good, bad, good, good, good]
+    tests = [DOUBLE, DOUBLE, DOUBLE, DOUBLE, other]
+    for dedupe, runs in ((False, 17), (True, 9)):  # 4 tests each; `other` has one test
+        calls.clear()
+        with CodeScorer(CodeRewardConfig(sandbox=SBX, dedupe=dedupe)) as s:
+            assert s.score_batch(batch, tests) == [0.75, 0.0, 0.75, 0.75, 1.0]
+        assert len(calls) == runs
+
+
 def test_bad_tests_name_the_item(scorer):
     with pytest.raises(ValueError, match="batch item 1: .*2 inputs but 1 outputs"):
         scorer.score_batch(["a", "b"], [DOUBLE, {"inputs": [1, 2], "outputs": [1]}])

@@ -50,6 +50,11 @@ class CodeRewardConfig:
     missing_close_think: float = -0.5
     missing_open_think: float = -2.0
     require_open_think: bool = True
+    # Identical programs graded on identical tests within one batch run once and share the
+    # result (sampled groups repeat programs often: the demo's held-out code samples at T=1.0
+    # hold ~1/3 unique programs). Off by default: a program that draws random numbers then
+    # gets one draw for all its copies.
+    dedupe: bool = False
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
 
     def __post_init__(self):
@@ -239,14 +244,19 @@ class CodeScorer(Closing):
             except ValueError as e:
                 raise ValueError(f"batch item {k}: {e}") from None
         rewards = [self._format(r) for r in responses]
-        futures = {}
+        futures, seen = {}, {}
         n_max = self.cfg.sandbox.max_tests
         for k, r in enumerate(responses):
             if rewards[k] is None:
                 code = extract_code(r)
+                key = (code, json.dumps(tests_list[k], sort_keys=True)) if self.cfg.dedupe else k
+                if key in seen:
+                    futures[k] = seen[key]
+                    continue
                 n = min(n_max, len(tests_list[k]["inputs"]))
-                futures[k] = [self._runs.submit(_run_one, self.sandbox, code, tests_list[k], i)
-                              for i in range(n)]
+                futures[k] = seen[key] = [
+                    self._runs.submit(_run_one, self.sandbox, code, tests_list[k], i)
+                    for i in range(n)]
         for k, fs in futures.items():
             passed = sum(bool(f.result()) for f in fs)
             rewards[k] = pass_to_reward(passed, len(fs), self.cfg.mode)
