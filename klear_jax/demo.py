@@ -179,12 +179,10 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
     sft = timed("sft", run_sft, workdir, data, size, seed, sft_steps)
     runs, init = {}, sft["dir"]  # RL stages chained in demo_settings().rl_order
     for task in s.rl_order:
-        if task == "math":
-            r = timed("rl_math", run_rl, workdir, "rl_math", init, data, "math", size, seed,
-                      rl_steps)
-        else:
-            r = timed("rl_code", run_rl, workdir, "rl_code", init, data, "code", size, seed,
-                      code_rl_steps or s.code_rl_steps, s.code_rl_overrides, allow_unsandboxed)
+        code = task == "code"
+        r = timed(f"rl_{task}", run_rl, workdir, f"rl_{task}", init, data, task, size, seed,
+                  (code_rl_steps or s.code_rl_steps) if code else rl_steps,
+                  s.code_rl_overrides if code else (), allow_unsandboxed)
         runs[task], init = r, r["dir"]
     rl_math, rl_code, final = runs["math"], runs["code"], runs[s.rl_order[-1]]
     ev_dir = os.path.join(workdir, "eval")

@@ -210,10 +210,8 @@ class Sampler:
                 jnp.arange(Bp)[:, None], ids].max(seg) > 0
         if n > 1:
             rep = lambda x, axis: jnp.repeat(x, n, axis=axis)
-            cache = {"k": tuple(rep(x, 0) for x in cache["k"]),
-                     "v": tuple(rep(x, 0) for x in cache["v"]),
-                     "positions": rep(cache["positions"], 0),
-                     "segment_ids": rep(cache["segment_ids"], 0), "index": cache["index"]}
+            rows = {k: v for k, v in cache.items() if k != "index"}  # every leaf: rows first
+            cache = {**jax.tree.map(lambda x: rep(x, 0), rows), "index": cache["index"]}
             raw = rep(raw, 0)
             presence = None if presence is None else rep(presence, 0)
         cache = self._constrain_cache(cache)

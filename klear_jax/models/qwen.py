@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klear_jax import sharding as shd
-from klear_jax.models.attention import (apply_rope, attention, cached_attention,
+from klear_jax.models.attention import (apply_rope, attention, head_major_attention,
                                         positions_from_segment_ids, rope_cos_sin)
 from klear_jax.models.config import ModelConfig, remat_policy, rope_frequencies
 
@@ -126,8 +126,8 @@ class Attention(nnx.Module):
             ck = jax.lax.dynamic_update_slice(ck, k.swapaxes(1, 2).astype(ck.dtype), start)
             cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype), start)
             ck, cv = shd.constrain(ck, CACHE_LAYER_AXES), shd.constrain(cv, CACHE_LAYER_AXES)
-            out = cached_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos, kv_pos,
-                                   q_seg, kv_seg)
+            out = head_major_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos,
+                                       kv_pos, q_seg, kv_seg)
             new_cache = (ck, cv)
         y = self.o_proj(out, "bthk,hkd->btd")
         return y, new_cache
@@ -255,8 +255,8 @@ class Qwen(nnx.Module):
         if cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, state)
         else:  # unrolled: compile time grows with depth (kept for comparison / debugging)
-            for i in range(cfg.num_layers):
-                x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], state))
+            for layer_state in self.layer_states():
+                x, _ = body(x, layer_state)
         return self.final_norm(x), None
 
     def __call__(self, input_ids, positions=None, segment_ids=None):
@@ -284,8 +284,8 @@ class Qwen(nnx.Module):
 # ------------------------------------------------------------------------- KV cache
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     """Empty KV cache: k, v tuples of L per-layer [B, K, S, hd] arrays (head-major);
-    positions, segment_ids int32 [B, S] (0 = empty slot); index int32 scalar (next slot to write; all rows share it, so prompts are
-    left-padded). ``max_len`` must cover prompt + generated tokens: a write past the end is
+    positions, segment_ids int32 [B, S] (0 = empty slot); index int32 scalar (next slot to
+    write; all rows share it, so prompts are left-padded). ``max_len`` must cover prompt + generated tokens: a write past the end is
     clamped by dynamic_update_slice (overwrites the last slots), so size it up front."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
