@@ -81,3 +81,15 @@ def test_pool_survives_crashing_and_raising_items():
 def test_pool_rejects_bad_function_name():
     with pytest.raises(AttributeError):
         DeadlinePool("os:no_such_function")
+
+
+def test_pool_warms_workers_before_the_deadline_clock_runs(monkeypatch):
+    """A function's ``worker_warm_up`` (math-verify's first call imports sympy) runs before
+    the worker reports ready, so it never eats into the first item's deadline."""
+    import os
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
+    with DeadlinePool("pool_helpers:is_warm", num_workers=1, deadline_s=0.5) as pool:
+        assert pool.map([()], default="timed out") == [True]
+        assert pool.stats["timeouts"] == 0
+    from klear_jax.rewards.math import verify_answer
+    assert callable(verify_answer.worker_warm_up)

@@ -52,6 +52,14 @@ def verify_answer(text: str, answer: str, timeout_s: int = 5) -> bool:
     return bool(verify(gold, pred, timeout_seconds=timeout_s))
 
 
+def _warm_up_verify_answer() -> None:
+    """Import math-verify/sympy and run one check, so a worker's first item is not slow."""
+    verify_answer("\\boxed{\\frac{1}{2}}", "0.5")
+
+
+verify_answer.worker_warm_up = _warm_up_verify_answer
+
+
 def format_reward(response: str, cfg: MathRewardConfig) -> float | None:
     """The format penalty for `response`, or None when the format is fine."""
     if cfg.require_open_think and "<think>" not in response:

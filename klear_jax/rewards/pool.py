@@ -5,8 +5,9 @@ signal alarms, which only work in a process's main thread and do not always fire
 Each worker runs the function in its main thread; the parent never blocks on a worker
 longer than the item's deadline: a late worker is SIGKILLed and replaced, a crashed one is
 replaced, and the item gets `default`. Workers are fresh interpreters (never fork: JAX
-in the parent does not survive it) that import the function once, then report ready
-before they get work, so the import time never counts against an item's deadline.
+in the parent does not survive it) that import the function once (and call its
+``worker_warm_up`` attribute, when it has one), then report ready before they get work, so
+the import time never counts against an item's deadline.
 
     pool = DeadlinePool("klear_jax.rewards.math:verify_answer", num_workers=2, deadline_s=10)
     pool.map([(response, gold), ...], default=False) -> [bool, ...]
@@ -36,6 +37,9 @@ def _resolve(path: str):
 
 def _worker_main(conn, fn_path: str) -> None:
     fn = _resolve(fn_path)
+    warm_up = getattr(fn, "worker_warm_up", None)
+    if warm_up is not None:  # lazy imports / first-call caches, before the deadline clock runs
+        warm_up()
     conn.send(("ready", None))
     while True:
         try:
