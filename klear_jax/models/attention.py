@@ -54,17 +54,20 @@ def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 
 
 def head_major_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                         scale: float | None = None):
-    """``xla_attention``'s core over head-major k, v [B, K, S, hd] (the KV cache's layout); q
-    [B, T, H, hd] (T = 1 when decoding). Returns [B, T, H, hd] in q's dtype."""
+                         scale: float | None = None, keys_transposed: bool = False):
+    """``xla_attention``'s core over head-major k, v [B, K, S, hd], or k [B, K, hd, S] when
+    ``keys_transposed`` (the KV cache's layout); q [B, T, H, hd] (T = 1 when decoding).
+    Returns [B, T, H, hd] in q's dtype."""
     B, T, H, hd = q.shape
     K = k.shape[1]
     scale = hd ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, K, H // K, hd).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, hd]
     # Outputs in the dots' natural order and the results transposed after: asking for
     # ...->btkgd made XLA CPU contract v's S axis as a transposed operand (decode attention
-    # several times slower).
-    s = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    # several times slower). Decoding, attention over [hd, S] keys runs ~1.6x faster
+    # than over [S, hd] ones (benchmarks/decode_attention.py).
+    k_spec = "bkds" if keys_transposed else "bksd"
+    s = jnp.einsum(f"bkgtd,{k_spec}->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     p = _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)
