@@ -169,6 +169,13 @@ def current_mesh() -> Mesh | None:
     return _ACTIVE_MESH[-1] if _ACTIVE_MESH else None
 
 
+def target_platform() -> str:
+    """Platform the code is being compiled for: the active mesh's devices (TPU devices when
+    compiling ahead of time for a TPU topology from a CPU host), else the default backend."""
+    mesh = current_mesh()
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def tree_shardings(abstract_tree, names_tree, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for a pytree of arrays/ShapeDtypeStructs given a matching tree of
     logical-name tuples (None leaves -> replicated)."""

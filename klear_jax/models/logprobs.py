@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from klear_jax.models.dense import project
+
 
 def _check_inputs(hidden, unembed, targets, temperature):
     if hidden.ndim != 3:
@@ -33,7 +35,7 @@ def _check_inputs(hidden, unembed, targets, temperature):
 def _logits_f32(hidden, unembed, temperature):
     """[..., D] x [D, V] -> float32 [..., V]; accumulates in float32 whatever the inputs' dtype
     (bfloat16 x bfloat16 products are exact in float32, so this is float32 math)."""
-    logits = jnp.einsum("...d,dv->...v", hidden, unembed, preferred_element_type=jnp.float32)
+    logits = project("...d,dv->...v", hidden, unembed, preferred_element_type=jnp.float32)
     logits = logits.astype(jnp.float32)
     if not (isinstance(temperature, (int, float)) and temperature == 1.0):
         logits = logits / jnp.asarray(temperature, jnp.float32)

@@ -35,6 +35,7 @@ from klear_jax import sharding as shd
 from klear_jax.models.attention import (apply_rope, attention, head_major_attention,
                                         positions_from_segment_ids, rope_cos_sin)
 from klear_jax.models.config import ModelConfig, remat_policy, rope_frequencies
+from klear_jax.models.dense import project
 
 _INIT_STD = 0.02
 
@@ -75,7 +76,7 @@ class Proj(nnx.Module):
             self.bias = _param(rngs, bias_shape, bias_names, cfg.jnp_param_dtype, "zeros")
 
     def __call__(self, x, eqn: str):
-        y = jnp.einsum(eqn, x, self.kernel[...].astype(x.dtype))
+        y = project(eqn, x, self.kernel[...].astype(x.dtype))
         if hasattr(self, "bias"):
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -268,7 +269,7 @@ class Qwen(nnx.Module):
     def logits(self, h):
         """h [B, T, D] -> float32 logits [B, T, V]."""
         w = self.unembed_matrix().astype(h.dtype)
-        out = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        out = project("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
         return shd.constrain(out, ("act_batch", "act_length", "act_vocab"))
 
     def token_logprobs(self, input_ids, targets, positions=None, segment_ids=None,
