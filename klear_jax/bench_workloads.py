@@ -34,7 +34,7 @@ def sizes(quick: bool) -> dict:
 def model_config(quick: bool = False, **overrides):
     from klear_jax.models import ModelConfig
     kw = dict(sizes(quick)["model"], dtype="float32", param_dtype="float32",
-              tie_word_embeddings=False, remat_policy="none")
+              tie_word_embeddings=False, remat_policy="none", logprob_remat=False)
     kw.update(overrides)
     return ModelConfig(**kw)
 
@@ -166,6 +166,7 @@ def run_train(quick: bool) -> dict:
                 achieved_flops=flops / med, matmul=mm, mfu=flops / med / mm["peak_flops"],
                 memory=memory_stats(compiled), peak_rss_bytes=peak_rss_bytes(),
                 loss=metrics["loss"], remat_policy=cfg.remat_policy,
+                logprob_remat=cfg.logprob_remat,
                 logprob_chunk_size=cfg.logprob_chunk_size)
 
 
@@ -257,7 +258,7 @@ def run_scale(quick: bool) -> dict:
     s = sizes(quick)
     rows = []
     for T in s["scale_seqs"]:
-        cfg = model_config(quick, remat_policy="full")
+        cfg = model_config(quick, remat_policy="full", logprob_remat=True)
         B = max(1, s["scale_tokens"] // T)
         run, state, compiled, ct = build_train(cfg, B, T, model_old_logp=False)
         med, times, _ = time_train(run, state, warmup=1, steps=s["scale_steps"])

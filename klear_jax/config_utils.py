@@ -17,10 +17,11 @@ checked by ``validate_sft_config`` before anything heavy starts.
                                   head_dim, rms_norm_eps, rope_theta, max_position_embeddings,
                                   tie_word_embeddings, qk_norm, qkv_bias, dtype (compute),
                                   param_dtype (master weights), remat_policy, attention_impl,
-                                  logprob_chunk_size, model_type). With init.source = "hf" or
-                                  "orbax" the architecture comes from the checkpoint and only
-                                  dtype / param_dtype / remat_policy / attention_impl /
-                                  logprob_chunk_size are taken from here.
+                                  logprob_chunk_size, logprob_remat, model_type). With
+                                  init.source = "hf" or "orbax" the architecture comes from
+                                  the checkpoint and only dtype / param_dtype / remat_policy /
+                                  attention_impl / logprob_chunk_size / logprob_remat are
+                                  taken from here.
     data.dir                str   TFDS data_dir holding the dataset written by
                                   ``python -m klear_jax.data.prepare`` ("" = TFDS default)
     data.name               str   TFDS dataset name
@@ -104,7 +105,7 @@ def sft_base() -> ml_collections.ConfigDict:
         num_kv_heads=0, head_dim=0, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
         max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
         qkv_bias=False, dtype="bfloat16", param_dtype="float32", remat_policy="none",
-        attention_impl="xla", logprob_chunk_size=512, model_type="qwen3")
+        attention_impl="xla", logprob_chunk_size=512, logprob_remat=True, model_type="qwen3")
     c.data = dict(dir="", name="", split="train", shuffle=True, num_epochs=1,
                   overlong="truncate", num_packing_bins=0)
     c.train = dict(total_steps=1, batch_size=8, seq_len=512, num_microbatches=1,

@@ -37,6 +37,7 @@ def token_logprobs(model, mb: Mapping[str, jax.Array], temperature: float = 1.0,
     h, _ = model.hidden_states(mb["input_ids"], None, mb["segment_ids"])
     return chunked_token_logprobs(h, model.unembed_matrix(), mb["targets"],
                                   chunk_size=model.config.logprob_chunk_size,
+                                  remat=model.config.logprob_remat,
                                   return_entropy=return_entropy, temperature=temperature)
 
 

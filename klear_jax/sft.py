@@ -28,7 +28,8 @@ log = logging.getLogger("klear_jax.sft")
 def runtime_fields(cfg) -> dict:
     """ModelConfig fields the run's config decides even when shapes come from a checkpoint."""
     return {k: cfg.model[k] for k in ("dtype", "param_dtype", "remat_policy",
-                                      "attention_impl", "logprob_chunk_size")}
+                                      "attention_impl", "logprob_chunk_size",
+                                      "logprob_remat")}
 
 
 def build_model(cfg, mesh):

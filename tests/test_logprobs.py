@@ -26,12 +26,14 @@ def _loss(fn, **kw):
     return loss
 
 
-@pytest.mark.parametrize("B,T,chunk", [(1, 37, 8),    # T not divisible by chunk
-                                       (3, 20, 64),   # chunk >= T
-                                       (2, 32, 8)])   # divisible, B > 1
-def test_matches_reference_float32(B, T, chunk):
+@pytest.mark.parametrize("B,T,chunk,remat", [(1, 37, 8, True),    # T not divisible by chunk
+                                             (3, 20, 64, True),   # chunk >= T
+                                             (2, 32, 8, True),    # divisible, B > 1
+                                             (1, 37, 8, False)])  # chunks' softmax saved
+def test_matches_reference_float32(B, T, chunk, remat):
     h, w, t = _inputs(B, T, 16, 50)
-    lp, ent = jax.jit(lambda h, w, t: chunked_token_logprobs(h, w, t, chunk_size=chunk))(h, w, t)
+    lp, ent = jax.jit(lambda h, w, t: chunked_token_logprobs(h, w, t, chunk_size=chunk,
+                                                             remat=remat))(h, w, t)
     rlp, rent = token_logprobs_reference(h, w, t)
     assert lp.shape == ent.shape == (B, T) and lp.dtype == ent.dtype == jnp.float32
     np.testing.assert_allclose(lp, rlp, rtol=1e-6, atol=1e-5)
@@ -40,7 +42,8 @@ def test_matches_reference_float32(B, T, chunk):
     assert float(rlp.max()) <= 0.0 and float(rent.min()) >= -1e-5
     assert float(rent.max()) <= np.log(50) + 1e-5
 
-    g = jax.jit(jax.grad(_loss(chunked_token_logprobs, chunk_size=chunk), argnums=(0, 1)))(h, w, t)
+    g = jax.jit(jax.grad(_loss(chunked_token_logprobs, chunk_size=chunk, remat=remat),
+                         argnums=(0, 1)))(h, w, t)
     rg = jax.grad(_loss(token_logprobs_reference), argnums=(0, 1))(h, w, t)
     for a, b in zip(g, rg):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -57,6 +57,7 @@ class ModelConfig:
     scan_layers: bool = True  # False unrolls the layer loop (compile time grows with depth)
     attention_impl: str = "xla"
     logprob_chunk_size: int = 512
+    logprob_remat: bool = True  # recompute each logprob chunk's logits in the backward pass
     model_type: str = "qwen3"
 
     def __post_init__(self):

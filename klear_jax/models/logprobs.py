@@ -68,7 +68,7 @@ def token_logprobs_reference(hidden, unembed, targets, *, return_entropy=True, t
 
 
 def chunked_token_logprobs(hidden, unembed, targets, *, chunk_size=512, return_entropy=True,
-                           temperature=1.0):
+                           temperature=1.0, remat=True):
     """Per-token log-probabilities (and entropies) of ``targets`` under ``hidden @ unembed``.
 
     Args:
@@ -80,11 +80,14 @@ def chunked_token_logprobs(hidden, unembed, targets, *, chunk_size=512, return_e
         internally and the padding sliced off).
       return_entropy: also return the entropy of the (tempered) next-token distribution.
       temperature: logits are divided by it before the softmax (python float or scalar array).
+      remat: recompute each chunk's logits in the backward pass (default), so the [B, T, V]
+        logits are never materialised, forward or backward. False saves every chunk's
+        float32 softmax for the backward instead (B x T x V x 4 bytes): one LM-head matmul
+        fewer per step, for when that memory is there.
 
     Returns:
       (logp float32 [B, T], entropy float32 [B, T] or None). Values and gradients w.r.t.
-      ``hidden`` and ``unembed`` equal ``token_logprobs_reference``; the [B, T, V] logits are
-      never materialised, in the forward or the backward pass.
+      ``hidden`` and ``unembed`` equal ``token_logprobs_reference``.
     """
     _check_inputs(hidden, unembed, targets, temperature)
     if chunk_size <= 0:
@@ -100,10 +103,12 @@ def chunked_token_logprobs(hidden, unembed, targets, *, chunk_size=512, return_e
     h_chunks = hidden.reshape(B, n, c, D).swapaxes(0, 1)
     t_chunks = targets.reshape(B, n, c).swapaxes(0, 1)
 
-    @jax.checkpoint
     def chunk(h, t, w):
         logp, ent = _logp_entropy(_logits_f32(h, w, temperature), t, return_entropy)
         return (logp, ent) if return_entropy else (logp,)
+
+    if remat:
+        chunk = jax.checkpoint(chunk)
 
     def body(carry, xs):
         h, t = xs

@@ -280,6 +280,7 @@ class Qwen(nnx.Module):
         h, _ = self.hidden_states(input_ids, positions, segment_ids)
         return chunked_token_logprobs(h, self.unembed_matrix(), targets,
                                       chunk_size=self.config.logprob_chunk_size,
+                                      remat=self.config.logprob_remat,
                                       return_entropy=return_entropy)
 
 
