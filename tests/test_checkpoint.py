@@ -97,7 +97,7 @@ CHILD = textwrap.dedent("""
     small = {"w": np.arange(10, dtype=np.float32)}
     mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(small)))
     mngr.wait_until_finished()
-    big = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(600)}
+    big = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(1500)}
     print("saving", flush=True)
     mngr.save(2, args=ocp.args.Composite(params=ocp.args.StandardSave(big)))
     mngr.wait_until_finished()
@@ -111,7 +111,7 @@ def test_killed_mid_save_leaves_previous_restorable(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(d)], stdout=subprocess.PIPE,
                          text=True, env=env)
     assert p.stdout.readline().strip() == "saving"
-    time.sleep(0.5)
+    time.sleep(0.1)  # early in the 390 MB save: a finished save would test nothing
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     leftovers = [x.name for x in d.iterdir()]
