@@ -39,22 +39,25 @@ def _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 
 def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  scale: float | None = None):
+                  scale: float | None = None, recompute: bool = False):
     """Grouped-query attention in plain XLA.
 
     q [B, T, H, hd]; k, v [B, S, K, hd] with H = K * G; positions / segment ids int32
     [B, T] (queries) and [B, S] (keys). Scores and softmax in float32. Returns [B, T, H, hd]
-    in q's dtype.
+    in q's dtype. ``recompute``: the backward pass recomputes the [B, K, G, T, S]
+    probabilities from q, k instead of saving them (as flash attention does); for layers
+    that are not rematerialised already (under a remat policy it only adds memory).
     """
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"xla_attention: {q.shape[2]} query heads not a multiple of "
                          f"{k.shape[2]} kv heads")
     # Head-major k / v: both dots become plain batched matmuls (measured ~5% faster train step
-    # on CPU than contracting the [B, S, K, hd] layout directly). Under jax.checkpoint the
-    # backward pass recomputes the [B, K, G, T, S] probabilities from q, k instead of saving
-    # them per layer (what flash attention does): the bench-small train step ran 24% faster
-    # on CPU, the saved tensors' zero-fill, writes and reads costing more than one more dot.
-    core = jax.checkpoint(functools.partial(head_major_attention, scale=scale))
+    # on CPU than contracting the [B, S, K, hd] layout directly). Recomputing made the
+    # bench-small train step (remat none) 24% faster on CPU: saving the probabilities of
+    # every layer cost a zero-fill, writes and reads worth more than one more dot.
+    core = functools.partial(head_major_attention, scale=scale)
+    if recompute:
+        core = jax.checkpoint(core)
     return core(q, k.swapaxes(1, 2), v.swapaxes(1, 2), q_positions, kv_positions,
                 q_segment_ids, kv_segment_ids)
 
@@ -80,11 +83,12 @@ def head_major_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
 
 
 def attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-              impl: str = "xla", scale: float | None = None):
-    """Dispatches to the XLA path or to the Pallas splash kernel (T == S only)."""
+              impl: str = "xla", scale: float | None = None, recompute: bool = False):
+    """Dispatches to the XLA path or to the Pallas splash kernel (T == S only; it never
+    keeps the probabilities, so ``recompute`` only concerns the XLA path)."""
     if impl == "xla":
         return xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                             scale=scale)
+                             scale=scale, recompute=recompute)
     if impl == "splash":
         from klear_jax.models.splash import splash_attention  # lazy: Pallas import is heavy
         if scale is not None and scale != q.shape[-1] ** -0.5:

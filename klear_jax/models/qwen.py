@@ -98,6 +98,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm((L,), hd, ("layers", "head_dim"), cfg.rms_norm_eps, cfg, rngs)
             self.k_norm = RMSNorm((L,), hd, ("layers", "head_dim"), cfg.rms_norm_eps, cfg, rngs)
         self.impl = cfg.attention_impl
+        self.recompute_probs = cfg.remat_policy == "none"  # else the layer remat recomputes
 
     def __call__(self, x, cos, sin, q_pos, q_seg, kv):
         """x [B, T, D] -> ([B, T, D], updated (cache_k, cache_v) or None).
@@ -116,7 +117,8 @@ class Attention(nnx.Module):
         k = shd.constrain(k, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
         v = shd.constrain(v, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
         if kv is None:
-            out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl)
+            out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl,
+                            recompute=self.recompute_probs)
             new_cache = None
         else:
             ck, cv, kv_pos, kv_seg, index = kv
