@@ -5,8 +5,8 @@ trailing dims contracted with w's leading dims: ``btd,dhk->bthk``, ``btf,fd->btd
 ``...d,dv->...v``). On TPU/GPU it is exactly that einsum. Compiling for CPU it carries a
 custom VJP whose weight gradient ``x2.T @ g2`` reads a transposed copy of the activations
 made behind an optimization barrier: left to itself, XLA CPU fuses that transpose into the
-producer of ``g`` (SwiGLU's backward, the attention output's), whose loop emitter writes it
-~6x slower than a plain transpose, and computes the dot off the YNNPACK path. Measured on the
+producer of ``g`` (SwiGLU's backward, the attention output's), where it ran ~3x slower than
+the elementwise op and a plain transpose apart, and computes the dot off the YNNPACK path. Measured on the
 bench-small MLP (fwd + bwd): 525 -> 400 ms; the whole train step: see docs/performance.md.
 """
 
