@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from klear_jax import sharding as shd
 
@@ -55,11 +56,16 @@ def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     # on CPU than contracting the [B, S, K, hd] layout directly). Recomputing made the
     # bench-small train step (remat none) 24% faster on CPU: saving the probabilities of
     # every layer cost a zero-fill, writes and reads worth more than one more dot.
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    if recompute and shd.target_platform() == "cpu":
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = _recomputed_core(_group_queries(q, k.shape[1]), k, v, masks, scale)
+        return _ungroup_heads(out, q.dtype)
     core = functools.partial(head_major_attention, scale=scale)
     if recompute:
         core = jax.checkpoint(core)
-    return core(q, k.swapaxes(1, 2), v.swapaxes(1, 2), q_positions, kv_positions,
-                q_segment_ids, kv_segment_ids)
+    return core(q, k, v, *masks)
 
 
 def head_major_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
@@ -67,19 +73,79 @@ def head_major_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     """``xla_attention``'s core over head-major k, v [B, K, S, hd], or k [B, K, hd, S] when
     ``keys_transposed`` (the KV cache's layout); q [B, T, H, hd] (T = 1 when decoding).
     Returns [B, T, H, hd] in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qg = _group_queries(q, k.shape[1])
+    p = _probabilities(qg, k, (q_positions, kv_positions, q_segment_ids, kv_segment_ids), scale,
+                       keys_transposed)
+    out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _ungroup_heads(out, q.dtype)
+
+
+def _group_queries(q, num_kv_heads: int):
+    """q [B, T, H, hd] -> [B, K, G, T, hd] (query head h = k * G + g)."""
     B, T, H, hd = q.shape
-    K = k.shape[1]
-    scale = hd ** -0.5 if scale is None else scale
-    qg = q.reshape(B, T, K, H // K, hd).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, hd]
-    # Outputs in the dots' natural order and the results transposed after: asking for
-    # ...->btkgd made XLA CPU contract v's S axis as a transposed operand (decode attention
-    # several times slower). Decoding, attention over [hd, S] keys runs ~1.6x faster
-    # than over [S, hd] ones (benchmarks/decode_attention.py).
+    return q.reshape(B, T, num_kv_heads, H // num_kv_heads, hd).transpose(0, 2, 3, 1, 4)
+
+
+def _ungroup_heads(out, dtype):
+    """[B, K, G, T, hd] -> [B, T, H, hd] in ``dtype``. Outputs are produced in the dots'
+    natural order and transposed after: asking for ...->btkgd made XLA CPU contract v's S
+    axis as a transposed operand (decode attention several times slower)."""
+    B, K, G, T, hd = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, hd).astype(dtype)
+
+
+def _probabilities(qg, k, masks, scale: float, keys_transposed: bool = False):
+    """float32 [B, K, G, T, S] softmax of qg [B, K, G, T, hd] against k [B, K, S, hd] (or
+    [B, K, hd, S] when ``keys_transposed``: decoding over it runs ~1.6x faster,
+    benchmarks/decode_attention.py), masked per ``attention_mask``."""
     k_spec = "bkds" if keys_transposed else "bksd"
     s = jnp.einsum(f"bkgtd,{k_spec}->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    p = _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)
+    return _masked_softmax(s, *masks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _recomputed_core(qg, k, v, masks, scale):
+    """float32 [B, K, G, T, hd] attention output of qg [B, K, G, T, hd] over k, v
+    [B, K, S, hd], whose backward recomputes the probabilities (the CPU ``recompute`` path).
+
+    Hand-written rather than ``jax.checkpoint``: dK and dV contract over the queries, the
+    leading axis of both [T, S] probabilities and [T, hd] query-side operands. Left to
+    itself XLA CPU transposed the [T, S] one, fused into the softmax backward, where it ran
+    several times slower than the elementwise op alone; here the small [T, hd] operand is
+    transposed instead, behind an optimization barrier. Measured on the bench-small train
+    step, interleaved: 11.3 -> 10.6 s (docs/performance.md).
+    """
+    p = _probabilities(qg, k, masks, scale)
+    return jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _recomputed_core_fwd(qg, k, v, masks, scale):
+    out = _recomputed_core(qg, k, v, masks, scale)
+    return out, (qg, k, v, masks, out)
+
+
+def _recomputed_core_bwd(scale, residuals, d_out):
+    qg, k, v, masks, out = residuals
+    B, K, G, T, hd = qg.shape
+    f32 = jnp.float32
+    p = _probabilities(qg, k, masks, scale)  # [B, K, G, T, S]
+    rows = p.reshape(B, K, G * T, -1)
+    small_t = lambda x: jax.lax.optimization_barrier(x.reshape(B, K, G * T, hd).swapaxes(2, 3))
+    dv = jnp.einsum("bkdn,bkns->bkds", small_t(d_out), rows, preferred_element_type=f32)
+    dp = jnp.einsum("bkgtd,bksd->bkgts", d_out, v, preferred_element_type=f32)
+    # softmax backward; sum_s p * dp == sum_d d_out * out, a pass over hd instead of S
+    ds = p * (dp - jnp.sum(d_out * out, axis=-1, keepdims=True)) * scale
+    dq = jnp.einsum("bkgts,bksd->bkgtd", ds.astype(k.dtype), k, preferred_element_type=f32)
+    dk = jnp.einsum("bkdn,bkns->bkds", small_t(qg.astype(f32)), ds.reshape(rows.shape),
+                    preferred_element_type=f32)
+    no_grad = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), masks)
+    # dK, dV come out [B, K, hd, S]: the dots' natural order; transposed after (small)
+    return (dq.astype(qg.dtype), dk.swapaxes(2, 3).astype(k.dtype),
+            dv.swapaxes(2, 3).astype(v.dtype), no_grad)
+
+
+_recomputed_core.defvjp(_recomputed_core_fwd, _recomputed_core_bwd)
 
 
 def attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
