@@ -118,7 +118,7 @@ class Attention(nnx.Module):
         v = shd.constrain(v, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
         if kv is None:
             out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl,
-                            recompute=self.recompute_probs)
+                            recompute=self.recompute_probs, causal_by_index=True)
             new_cache = None
         else:
             ck, cv, kv_pos, kv_seg, index = kv
