@@ -39,11 +39,12 @@ def _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
-# The CPU recompute path's causal block skipping: up to 16 query blocks of >= 64 queries. One
+# The CPU recompute path's causal block skipping: up to 4 query blocks of >= 64 queries. One
 # layer's attention forward + backward at T = 512 took 221 ms unblocked, 190 / 153 / 138 ms in
-# blocks of 256 / 128 / 64 queries; at T = 2048, 705 ms unblocked and 486 ms in 16 blocks of
-# 128 (benchmarks/attention_blocks.py). The cap bounds the graph the blocks unroll into.
-CPU_QUERY_BLOCKS, CPU_MIN_QUERY_BLOCK = 16, 64
+# 2 / 4 / 8 blocks (benchmarks/attention_blocks.py). Each block adds its own dots to the
+# graph: the bench-small train step compiled in 8.6 / 11.9 / 15.0 s with 1 / 4 / 8 blocks and
+# stepped in 10.84 / 10.34 / 10.34 s (interleaved), hence 4.
+CPU_QUERY_BLOCKS, CPU_MIN_QUERY_BLOCK = 4, 64
 
 
 def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
