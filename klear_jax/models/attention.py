@@ -81,9 +81,9 @@ def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
             return _ungroup_heads(_recomputed_core(qg, k, v, masks, scale), q.dtype)
         # Query block i only attends to keys [0, (i + 1) T / n): the causal mask zeroes the
         # rest, so (n + 1) / 2n of the score work is done.
-        outs = []
-        for hi in range(T // n, T + 1, T // n):
-            lo = hi - T // n
+        size, outs = T // n, []
+        for hi in range(size, T + 1, size):
+            lo = hi - size
             block_masks = (q_positions[:, lo:hi], kv_positions[:, :hi],
                            q_segment_ids[:, lo:hi], kv_segment_ids[:, :hi])
             outs.append(_recomputed_core(qg[:, :, :, lo:hi], k[:, :, :hi], v[:, :, :hi],
@@ -101,10 +101,8 @@ def head_major_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     ``keys_transposed`` (the KV cache's layout); q [B, T, H, hd] (T = 1 when decoding).
     Returns [B, T, H, hd] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qg = _group_queries(q, k.shape[1])
-    p = _probabilities(qg, k, (q_positions, kv_positions, q_segment_ids, kv_segment_ids), scale,
-                       keys_transposed)
-    out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    out = _grouped_attention(_group_queries(q, k.shape[1]), k, v, masks, scale, keys_transposed)
     return _ungroup_heads(out, q.dtype)
 
 
@@ -131,6 +129,13 @@ def _probabilities(qg, k, masks, scale: float, keys_transposed: bool = False):
     return _masked_softmax(s, *masks)
 
 
+def _grouped_attention(qg, k, v, masks, scale: float, keys_transposed: bool = False):
+    """float32 [B, K, G, T, hd] output of qg [B, K, G, T, hd] attending over k (as in
+    ``_probabilities``) and v [B, K, S, hd]."""
+    p = _probabilities(qg, k, masks, scale, keys_transposed)
+    return jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _recomputed_core(qg, k, v, masks, scale):
     """float32 [B, K, G, T, hd] attention output of qg [B, K, G, T, hd] over k, v
@@ -143,8 +148,7 @@ def _recomputed_core(qg, k, v, masks, scale):
     transposed instead, behind an optimization barrier. Measured on the bench-small train
     step against jax.checkpoint, interleaved: 11.88 -> 11.35 s (docs/performance.md).
     """
-    p = _probabilities(qg, k, masks, scale)
-    return jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _grouped_attention(qg, k, v, masks, scale)
 
 
 def _recomputed_core_fwd(qg, k, v, masks, scale):
