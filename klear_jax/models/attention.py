@@ -26,17 +26,17 @@ def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     return causal & same & (kv_segment_ids[:, None, :] != 0)
 
 
-def _masked_softmax(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
-    """float32 scores [B, K, G, T, S] -> probabilities, masked per ``attention_mask``; a
-    fully masked row gives zeros."""
+def _masked_exp(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """float32 scores [B, K, G, T, S] -> (exp(s - row max) masked per ``attention_mask``,
+    its row sums [B, K, G, T, 1], 1 for a fully masked row so that it gives zeros)."""
     mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     mask = mask[:, None, None]  # [B, 1, 1, T, S]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked row: avoid inf - inf
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom > 0, denom, 1.0)
+    e = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    return e, jnp.where(denom > 0, denom, 1.0)
 
 
 # The CPU recompute path's causal block skipping: up to 4 query blocks of >= 64 queries. One
@@ -120,20 +120,29 @@ def _ungroup_heads(out, dtype):
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, hd).astype(dtype)
 
 
-def _probabilities(qg, k, masks, scale: float, keys_transposed: bool = False):
-    """float32 [B, K, G, T, S] softmax of qg [B, K, G, T, hd] against k [B, K, S, hd] (or
+def _scores_exp(qg, k, masks, scale: float, keys_transposed: bool = False):
+    """``_masked_exp`` of the scores of qg [B, K, G, T, hd] against k [B, K, S, hd] (or
     [B, K, hd, S] when ``keys_transposed``: decoding over it runs ~1.6x faster,
-    benchmarks/decode_attention.py), masked per ``attention_mask``."""
+    benchmarks/decode_attention.py)."""
     k_spec = "bkds" if keys_transposed else "bksd"
     s = jnp.einsum(f"bkgtd,{k_spec}->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    return _masked_softmax(s, *masks)
+    return _masked_exp(s, *masks)
+
+
+def _probabilities(qg, k, masks, scale: float):
+    """float32 [B, K, G, T, S] softmax probabilities (``_scores_exp`` normalised)."""
+    e, denom = _scores_exp(qg, k, masks, scale)
+    return e / denom
 
 
 def _grouped_attention(qg, k, v, masks, scale: float, keys_transposed: bool = False):
     """float32 [B, K, G, T, hd] output of qg [B, K, G, T, hd] attending over k (as in
-    ``_probabilities``) and v [B, K, S, hd]."""
-    p = _probabilities(qg, k, masks, scale, keys_transposed)
-    return jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    ``_scores_exp``) and v [B, K, S, hd]. The softmax division is applied to the output, a
+    pass over hd instead of S: all layers' decode attention 2.40 -> 2.10 ms at 129 cache
+    slots, 10.17 -> 9.37 ms at 1089 (bench-small shapes, interleaved A/B)."""
+    e, denom = _scores_exp(qg, k, masks, scale, keys_transposed)
+    out = jnp.einsum("bkgts,bksd->bkgtd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out / denom
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
