@@ -125,7 +125,8 @@ def make_logprob_fn(graphdef, mesh, params_shardings: Any, temperature: float = 
                  for k, v in stats.items()}
         return logp, stats
 
-    jitted = jax.jit(fn, in_shardings=(params_shardings, bsh), out_shardings=(bsh, rep))
+    jitted = jax.jit(fn, in_shardings=(params_shardings, bsh), out_shardings=(bsh, rep),
+                     compiler_options=shd.training_compiler_options(mesh))
 
     def run(params, mb):
         with shd.use_mesh(mesh):

@@ -176,6 +176,21 @@ def target_platform() -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
+# XLA CPU hands dots to YNNPACK by default; an empty YNN fusion-type list turns that off and
+# leaves them to Eigen. For training-shaped dots (thousands of rows) Eigen was faster: the
+# bench-small train step took 10.38 -> 9.79 s, interleaved over 8 rounds, 7 of them faster.
+# Decoding (8-row dots, KV-cache attention) was slower with Eigen (generate 244 -> 208
+# tokens/s), so the sampler keeps the default. docs/performance.md has the runs.
+CPU_TRAINING_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def training_compiler_options(mesh: Mesh) -> dict | None:
+    """``jax.jit`` compiler options for training-shaped programs (train step, log-prob pass)
+    on ``mesh``: CPU_TRAINING_COMPILER_OPTIONS on a CPU mesh, None (XLA's defaults) on TPU /
+    GPU, including when compiling ahead of time for a TPU topology from a CPU host."""
+    return dict(CPU_TRAINING_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else None
+
+
 def tree_shardings(abstract_tree, names_tree, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for a pytree of arrays/ShapeDtypeStructs given a matching tree of
     logical-name tuples (None leaves -> replicated)."""

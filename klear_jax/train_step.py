@@ -232,7 +232,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return new_state, metrics
 
     jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
-                     out_shardings=(shardings, rep), donate_argnums=(0,) if donate else ())
+                     out_shardings=(shardings, rep), donate_argnums=(0,) if donate else (),
+                     compiler_options=shd.training_compiler_options(mesh))
 
     def run(state, batch):
         with shd.use_mesh(mesh):

@@ -236,3 +236,17 @@ def test_train_step_learns(mesh8):
     # warmup 0 -> 1e-3 over 2 steps, then cosine towards the 1e-4 floor
     np.testing.assert_allclose(lrs[:3], [0.0, 5e-4, 1e-3], rtol=1e-5)
     assert 1e-4 < lrs[-1] < lrs[3] < 1e-3
+
+
+def test_cpu_train_step_leaves_dots_to_eigen(mesh8):
+    """On a CPU mesh the train step compiles with CPU_TRAINING_COMPILER_OPTIONS: plain XLA
+    dots, none handed to YNNPACK (the default, which the sampler keeps)."""
+    from klear_jax.aot import parse_topology, topology_devices
+    assert shd.training_compiler_options(mesh8) == shd.CPU_TRAINING_COMPILER_OPTIONS
+    tpu_mesh = shd.make_mesh(fsdp=8, devices=topology_devices(parse_topology("v5p:2x2x2")))
+    assert shd.training_compiler_options(tpu_mesh) is None
+    state, step = setup(mesh8, 1, SGD)
+    hlo = step.lower(state, make_batch()).compile().as_text()
+    assert " dot(" in hlo and "__ynn_fusion" not in hlo
+    plain = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 64)), jnp.ones((64, 64)))
+    assert "__ynn_fusion" in plain.compile().as_text()  # what the option turns off
