@@ -174,11 +174,9 @@ def _recomputed_core_bwd(scale, residuals, d_out):
     small_t = lambda x: jax.lax.optimization_barrier(x.reshape(B, K, G * T, hd).swapaxes(2, 3))
     dv = jnp.einsum("bkdn,bkns->bkds", small_t(d_out), rows, preferred_element_type=f32)
     dp = jnp.einsum("bkgtd,bksd->bkgts", d_out, v, preferred_element_type=f32)
-    # softmax backward; sum_s p * dp == sum_d d_out * out, a pass over hd instead of S. The
-    # barriers keep dp's dot and the tiny reduction out of one YNNPACK fusion with the
-    # elementwise op, which ran at ~24 GFLOP/s (one layer's backward: 254 -> 221 ms).
-    delta = jax.lax.optimization_barrier(jnp.sum(d_out * out, axis=-1, keepdims=True))
-    ds = p * (jax.lax.optimization_barrier(dp) - delta) * scale
+    # softmax backward; sum_s p * dp == sum_d d_out * out, a pass over hd instead of S
+    delta = jnp.sum(d_out * out, axis=-1, keepdims=True)
+    ds = p * (dp - delta) * scale
     dq = jnp.einsum("bkgts,bksd->bkgtd", ds.astype(k.dtype), k, preferred_element_type=f32)
     dk = jnp.einsum("bkdn,bkns->bkds", small_t(qg.astype(f32)), ds.reshape(rows.shape),
                     preferred_element_type=f32)
