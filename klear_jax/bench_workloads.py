@@ -16,7 +16,7 @@ import numpy as np
 
 FULL = dict(model=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
                        num_heads=8, num_kv_heads=4, head_dim=64),
-            batch=8, seq=512, steps=5, prompts=8, prompt_len=64, new_tokens=256,
+            batch=8, seq=512, steps=9, prompts=8, prompt_len=64, new_tokens=256,
             decode_ctx=(64, 1024), decode_delta=64, decode_reps=5, scale_seqs=(512, 2048, 8192),
             scale_tokens=4096, scale_steps=2, compile_layers=(2, 8, 32), matmul_n=2048,
             matmul_reps=10)
