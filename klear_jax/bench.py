@@ -33,6 +33,9 @@ from klear_jax.bench_workloads import (model_config, rl_batch, run_reference_wor
                                        train_flops_per_token)
 
 WORKLOADS = ("train", "sample", "reference", "scale")
+# The number each workload's repeated runs are ranked by (``--rounds``).
+HEADLINE = {"train": "tokens_per_s", "sample": "tokens_per_s",
+            "reference": "train_tokens_per_s", "scale": "compile_ratio"}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -85,6 +88,19 @@ def spawn(name: str, quick: bool, threads: int, timeout: float) -> dict:
                     "stderr_tail": p.stderr[-3000:]}
         with open(path) as f:
             return json.load(f)
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """Workload order per round, reversed every other round: train, reference, reference,
+    train for two rounds (ABBA), so that a drift in the box's speed hits both sides alike."""
+    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run with the median ``key`` (the lower one of an even count); runs without it
+    (errors) only when no run has it."""
+    ok = sorted((r for r in runs if key in r), key=lambda r: r[key])
+    return ok[(len(ok) - 1) // 2] if ok else runs[-1]
 
 
 def machine_info(threads: int) -> dict:
@@ -164,6 +180,8 @@ def table(res: dict) -> str:
         add("MFU vs torch f32 matmul peak", f"{ref['mfu']:.1%} (peak {ref['matmul']['peak_flops']/1e9:.1f} GFLOP/s)")
         add("generate tokens/s", f"{ref['generate_tokens_per_s']:.0f}")
         add("time to first token s", f"{ref['ttft_s']:.3f}")
+    for w, values in res.get("rounds", {}).items():
+        add(f"{w} {HEADLINE[w]} per round", " / ".join(f"{v:.3g}" for v in values if v is not None))
     lines.append("targets")
     for k, v in res.get("targets", {}).items():
         add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")
@@ -178,6 +196,9 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--threads", type=int, default=_threads())
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per workload")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the workloads this many times, in reversed order every other "
+                        "round (ABBA); each reports its median run by HEADLINE")
     p.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -193,16 +214,23 @@ def main(argv=None) -> dict:
     res = {"workload": "bench-quick" if a.quick else "bench-small",
            "model": dict(sizes(a.quick)["model"], dtype="float32"),
            "command": "python -m klear_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
-    for w in names:
-        t0 = time.perf_counter()
-        res[w] = spawn(w, a.quick, a.threads, a.timeout)
-        print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-        res["machine"] = machine_info(a.threads)
-        res["ratios"] = ratios(res)
-        res["targets"] = targets(res["ratios"])
-        if a.out:  # after every workload, so a long run keeps what it has measured
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=2)
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
+    runs = {w: [] for w in names}
+    for order in round_orders(names, a.rounds):
+        for w in order:
+            t0 = time.perf_counter()
+            runs[w].append(spawn(w, a.quick, a.threads, a.timeout))
+            print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            res[w] = median_run(runs[w], HEADLINE[w])
+            if a.rounds > 1:
+                res.setdefault("rounds", {})[w] = [r.get(HEADLINE[w]) for r in runs[w]]
+            res["machine"] = machine_info(a.threads)
+            res["ratios"] = ratios(res)
+            res["targets"] = targets(res["ratios"])
+            if a.out:  # after every workload, so a long run keeps what it has measured
+                with open(a.out, "w") as f:
+                    json.dump(res, f, indent=2)
     print(table(res))
     return res
 

@@ -65,6 +65,18 @@ def test_ratios_and_targets():
     assert "MISSED" in bench.table({"targets": t})
 
 
+def test_rounds_alternate_and_report_the_median_run():
+    assert bench.round_orders(["train", "reference"], 3) == [
+        ["train", "reference"], ["reference", "train"], ["train", "reference"]]
+    runs = [{"tokens_per_s": 5.0, "i": 0}, {"error": "x"}, {"tokens_per_s": 3.0, "i": 2},
+            {"tokens_per_s": 9.0, "i": 3}, {"tokens_per_s": 4.0, "i": 4}]
+    assert bench.median_run(runs, "tokens_per_s")["i"] == 4  # 3, 4, 5, 9: the lower median
+    assert bench.median_run(runs[:3], "tokens_per_s")["i"] == 2
+    assert bench.median_run([{"error": "x"}], "tokens_per_s") == {"error": "x"}
+    assert "train tokens_per_s per round" in bench.table(
+        {"rounds": {"train": [400.0, 410.0]}, "targets": {}})
+
+
 def test_bad_workload_name():
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--workloads", "train,nope"])
