@@ -80,6 +80,8 @@ def test_rounds_alternate_and_report_the_median_run():
 def test_bad_workload_name():
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--workloads", "train,nope"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--workloads", "train", "--rounds", "0"])
 
 
 def test_quick_train_and_reference(tmp_path):
