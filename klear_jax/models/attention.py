@@ -215,11 +215,29 @@ def rope_cos_sin(positions, inv_freq, attention_scaling: float, dtype):
             (jnp.sin(emb) * attention_scaling).astype(dtype))
 
 
+@jax.custom_vjp
 def apply_rope(x, cos, sin):
-    """x [B, T, N, hd] rotated with cos/sin [B, T, hd] (rotate-half convention)."""
+    """x [B, T, N, hd] rotated with cos/sin [B, T, hd] (rotate-half convention).
+
+    The rotation's transpose is the rotation by -angle, so the VJP is ``apply_rope(g, cos,
+    -sin)``: one fused pass, where autodiff's transpose of the half slices pads and adds.
+    """
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rot * sin[:, :, None, :]
+
+
+def _rope_fwd(x, cos, sin):
+    return apply_rope(x, cos, sin), (cos, sin)
+
+
+def _rope_bwd(res, g):
+    cos, sin = res
+    # Positions carry no gradient; cos/sin come from integer positions.
+    return apply_rope(g, cos, -sin), jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+apply_rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def positions_from_segment_ids(segment_ids):
