@@ -36,6 +36,9 @@ WORKLOADS = ("train", "sample", "reference", "scale")
 # The number each workload's repeated runs are ranked by (``--rounds``).
 HEADLINE = {"train": "tokens_per_s", "sample": "tokens_per_s",
             "reference": "train_tokens_per_s", "scale": "compile_ratio"}
+# The reference measures generate too: that number and the ones measured with it come from
+# the reference's median run by it, so the sample ratio pairs medians with medians.
+SECOND_HEADLINE = {"reference": ("generate_tokens_per_s", ("generate_s", "ttft_s"))}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -94,6 +97,26 @@ def round_orders(names: list[str], rounds: int) -> list[list[str]]:
     """Workload order per round, reversed every other round: train, reference, reference,
     train for two rounds (ABBA), so that a drift in the box's speed hits both sides alike."""
     return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
+def combine_runs(workload: str, runs: list[dict]) -> dict:
+    """The median run by ``HEADLINE``, with ``SECOND_HEADLINE``'s numbers from their own."""
+    out = dict(median_run(runs, HEADLINE[workload]))
+    if workload in SECOND_HEADLINE:
+        key, measured_with = SECOND_HEADLINE[workload]
+        other = median_run(runs, key)
+        out.update({k: other[k] for k in (key, *measured_with) if k in other})
+    return out
+
+
+def round_values(workload: str, runs: list[dict]) -> dict:
+    """'rounds' entries: each headline's value per run, keyed 'workload' and
+    'workload:second key'."""
+    out = {workload: [r.get(HEADLINE[workload]) for r in runs]}
+    if workload in SECOND_HEADLINE:
+        key = SECOND_HEADLINE[workload][0]
+        out[f"{workload}:{key}"] = [r.get(key) for r in runs]
+    return out
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -181,7 +204,9 @@ def table(res: dict) -> str:
         add("generate tokens/s", f"{ref['generate_tokens_per_s']:.0f}")
         add("time to first token s", f"{ref['ttft_s']:.3f}")
     for w, values in res.get("rounds", {}).items():
-        add(f"{w} {HEADLINE[w]} per round", " / ".join(f"{v:.3g}" for v in values if v is not None))
+        w, _, key = w.partition(":")
+        add(f"{w} {key or HEADLINE[w]} per round",
+            " / ".join(f"{v:.3g}" for v in values if v is not None))
     lines.append("targets")
     for k, v in res.get("targets", {}).items():
         add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")
@@ -222,9 +247,9 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             runs[w].append(spawn(w, a.quick, a.threads, a.timeout))
             print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-            res[w] = median_run(runs[w], HEADLINE[w])
+            res[w] = combine_runs(w, runs[w])
             if a.rounds > 1:
-                res.setdefault("rounds", {})[w] = [r.get(HEADLINE[w]) for r in runs[w]]
+                res.setdefault("rounds", {}).update(round_values(w, runs[w]))
             res["machine"] = machine_info(a.threads)
             res["ratios"] = ratios(res)
             res["targets"] = targets(res["ratios"])

@@ -73,8 +73,24 @@ def test_rounds_alternate_and_report_the_median_run():
     assert bench.median_run(runs, "tokens_per_s")["i"] == 4  # 3, 4, 5, 9: the lower median
     assert bench.median_run(runs[:3], "tokens_per_s")["i"] == 2
     assert bench.median_run([{"error": "x"}], "tokens_per_s") == {"error": "x"}
-    assert "train tokens_per_s per round" in bench.table(
-        {"rounds": {"train": [400.0, 410.0]}, "targets": {}})
+    table = bench.table({"rounds": {"train": [400.0, 410.0],
+                                    "reference:generate_tokens_per_s": [150.0, 160.0]},
+                         "targets": {}})
+    assert "train tokens_per_s per round" in table
+    assert "reference generate_tokens_per_s per round" in table
+
+
+def test_reference_generate_numbers_come_from_their_own_median_run():
+    runs = [{"train_tokens_per_s": 300.0, "generate_tokens_per_s": 180.0, "generate_s": 1.0,
+             "ttft_s": 0.1, "i": 0},
+            {"train_tokens_per_s": 400.0, "generate_tokens_per_s": 160.0, "generate_s": 2.0,
+             "ttft_s": 0.2, "i": 1}]
+    got = bench.combine_runs("reference", runs)
+    assert (got["i"], got["train_tokens_per_s"]) == (0, 300.0)  # the lower train run
+    assert (got["generate_tokens_per_s"], got["generate_s"], got["ttft_s"]) == (160.0, 2.0, 0.2)
+    assert bench.round_values("reference", runs) == {
+        "reference": [300.0, 400.0], "reference:generate_tokens_per_s": [180.0, 160.0]}
+    assert bench.combine_runs("train", [{"tokens_per_s": 1.0}]) == {"tokens_per_s": 1.0}
 
 
 def test_bad_workload_name():
