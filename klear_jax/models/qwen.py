@@ -50,11 +50,32 @@ def _param(rngs, shape, names, dtype, init="normal"):
     return nnx.Param(value, logical_axes=tuple(names))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps):
-    """RMSNorm in float32, returned in x's dtype."""
+    """RMSNorm in float32, returned in x's dtype. x [..., N], scale [N].
+
+    Its VJP keeps x and the [..., 1] inverse RMS and computes dx in one pass,
+    ``inv * (gs - x_hat * mean(gs * x_hat))`` with gs = g * scale."""
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * y).astype(x.dtype)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * (xf * inv)).astype(x.dtype), (x, scale, inv)
+
+
+def _rms_norm_bwd(eps, res, g):
+    x, scale, inv = res
+    x_hat = x.astype(jnp.float32) * inv
+    gf = g.astype(jnp.float32)
+    gs = gf * scale.astype(jnp.float32)
+    dx = inv * (gs - x_hat * jnp.mean(gs * x_hat, axis=-1, keepdims=True))
+    d_scale = jnp.sum(gf * x_hat, axis=tuple(range(x.ndim - 1)))
+    return dx.astype(x.dtype), d_scale.reshape(scale.shape).astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
