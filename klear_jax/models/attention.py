@@ -234,7 +234,7 @@ def _rope_fwd(x, cos, sin):
 def _rope_bwd(res, g):
     cos, sin = res
     # Positions carry no gradient; cos/sin come from integer positions.
-    return apply_rope(g, cos, -sin), jnp.zeros_like(cos), jnp.zeros_like(sin)
+    return apply_rope(g, cos, -sin), None, None
 
 
 apply_rope.defvjp(_rope_fwd, _rope_bwd)
