@@ -55,15 +55,51 @@ def _threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def worker_env(threads: int) -> dict:
+# glibc's malloc serves the train step's ~2.8 GB temp buffer with a fresh mmap and unmaps
+# it on free, so every step page-faults it in again: ~755K minor faults and ~2 s of system
+# time per bench-small step. tcmalloc keeps freed pages for reuse; with it the step took 8.27
+# against 8.94 s (medians of 4 interleaved process pairs, docs/performance.md). Every
+# workload, the PyTorch reference included, runs with the same allocator.
+MALLOC_CHOICES = ("auto", "tcmalloc", "system")
+
+
+def malloc_preload(choice: str) -> str | None:
+    """The allocator library to LD_PRELOAD into every workload process for ``--malloc``:
+    'auto' -> tcmalloc when installed (Debian/Ubuntu: libtcmalloc-minimal4), else None;
+    'tcmalloc' -> tcmalloc or a ValueError naming the package; 'system' -> None (glibc)."""
+    if choice not in MALLOC_CHOICES:
+        raise ValueError(f"--malloc {choice!r}: choose from {MALLOC_CHOICES}")
+    if choice == "system":
+        return None
+    import ctypes.util
+    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if lib is None and choice == "tcmalloc":
+        raise ValueError("--malloc tcmalloc: no libtcmalloc found by the dynamic loader; install "
+                         "it (apt-get install libtcmalloc-minimal4) or pass --malloc system")
+    return lib
+
+
+def worker_env(threads: int, preload: str | None = None) -> dict:
     """The environment every workload process gets: CPU JAX with one device, the same
-    intra-op thread count for XLA (Eigen pool = all cores) and torch (set explicitly)."""
+    intra-op thread count for XLA (Eigen pool = all cores) and torch (set explicitly), and
+    ``preload`` (an allocator library, see ``malloc_preload``) ahead of any LD_PRELOAD."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2")
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
+    if preload:
+        env["LD_PRELOAD"] = " ".join([preload] + env.get("LD_PRELOAD", "").split())
     return env
+
+
+def loaded_allocator() -> str:
+    """'tcmalloc' when this process has a tcmalloc library mapped, else 'system'."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "tcmalloc" if any("libtcmalloc" in line for line in f) else "system"
+    except OSError:
+        return "system"
 
 
 def run_worker(name: str, quick: bool, threads: int) -> dict:
@@ -72,6 +108,7 @@ def run_worker(name: str, quick: bool, threads: int) -> dict:
     t0 = time.perf_counter()
     out = fns[name](quick)
     out["wall_s"] = time.perf_counter() - t0
+    out["allocator"] = loaded_allocator()
     if name != "reference":
         import jax
         out["jax_version"] = jax.__version__
@@ -79,12 +116,13 @@ def run_worker(name: str, quick: bool, threads: int) -> dict:
     return out
 
 
-def spawn(name: str, quick: bool, threads: int, timeout: float) -> dict:
+def spawn(name: str, quick: bool, threads: int, timeout: float,
+          preload: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"{name}.json")
         cmd = [sys.executable, "-m", "klear_jax.bench", "--worker", name, "--worker-out", path,
                "--threads", str(threads)] + (["--quick"] if quick else [])
-        p = subprocess.run(cmd, env=worker_env(threads), capture_output=True, text=True,
+        p = subprocess.run(cmd, env=worker_env(threads, preload), capture_output=True, text=True,
                            timeout=timeout)
         if p.returncode != 0 or not os.path.exists(path):
             return {"error": f"workload {name!r} exited with {p.returncode}",
@@ -126,7 +164,7 @@ def median_run(runs: list[dict], key: str) -> dict:
     return ok[(len(ok) - 1) // 2] if ok else runs[-1]
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, preload: str | None = None) -> dict:
     import platform
     cpu = ""
     try:
@@ -137,7 +175,8 @@ def machine_info(threads: int) -> dict:
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
             "cpu_count": os.cpu_count(), "threads": threads,
             "xla_threads": f"{threads} (XLA CPU intra-op pool: all cores in affinity)",
-            "torch_threads": threads, "loadavg_1m": os.getloadavg()[0]}
+            "torch_threads": threads, "loadavg_1m": os.getloadavg()[0],
+            "malloc": f"LD_PRELOAD={preload}" if preload else "system (glibc)"}
 
 
 def ratios(res: dict) -> dict:
@@ -178,6 +217,8 @@ def table(res: dict) -> str:
     for w in WORKLOADS:
         if "error" in (res.get(w) or {}):
             add(f"{w}: ERROR", res[w]["error"])
+    if "machine" in res:
+        add("allocator (every workload)", res["machine"]["malloc"])
     if "tokens_per_s" in t:
         lines.append(f"train (B={t['batch']} x T={t['seq_len']}, GPPO, AdamW)")
         add("tokens/s (median)", f"{t['tokens_per_s']:.0f}")
@@ -224,6 +265,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the workloads this many times, in reversed order every other "
                         "round (ABBA); each reports its median run by HEADLINE")
+    p.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
+                   help="allocator of every workload process: auto = tcmalloc when installed")
     p.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -241,16 +284,20 @@ def main(argv=None) -> dict:
            "command": "python -m klear_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
+    try:
+        preload = malloc_preload(a.malloc)
+    except ValueError as e:
+        p.error(str(e))
     runs = {w: [] for w in names}
     for order in round_orders(names, a.rounds):
         for w in order:
             t0 = time.perf_counter()
-            runs[w].append(spawn(w, a.quick, a.threads, a.timeout))
+            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload))
             print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             res[w] = combine_runs(w, runs[w])
             if a.rounds > 1:
                 res.setdefault("rounds", {}).update(round_values(w, runs[w]))
-            res["machine"] = machine_info(a.threads)
+            res["machine"] = machine_info(a.threads, preload)
             res["ratios"] = ratios(res)
             res["targets"] = targets(res["ratios"])
             if a.out:  # after every workload, so a long run keeps what it has measured

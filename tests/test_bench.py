@@ -23,6 +23,8 @@ def _run(tmp_path, workloads):
         assert "error" not in on_disk[w], on_disk[w]
     m = on_disk["machine"]
     assert m["threads"] >= 1 and m["torch_threads"] == m["threads"]
+    allocator = "tcmalloc" if m["malloc"].startswith("LD_PRELOAD") else "system"
+    assert all(on_disk[w]["allocator"] == allocator for w in workloads.split(","))
     return on_disk
 
 
@@ -98,6 +100,26 @@ def test_bad_workload_name():
         bench.main(["--quick", "--workloads", "train,nope"])
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--workloads", "train", "--rounds", "0"])
+
+
+def test_malloc_choice_and_worker_env(monkeypatch):
+    import ctypes.util
+    assert bench.malloc_preload("system") is None
+    with pytest.raises(ValueError, match="choose from"):
+        bench.malloc_preload("jemalloc")
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert bench.malloc_preload("auto") is None
+    with pytest.raises(ValueError, match="libtcmalloc-minimal4"):
+        bench.malloc_preload("tcmalloc")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--workloads", "train", "--malloc", "tcmalloc"])
+    monkeypatch.setattr(ctypes.util, "find_library",
+                        lambda name: "libtcmalloc_minimal.so.4" if name == "tcmalloc_minimal" else None)
+    assert bench.malloc_preload("auto") == bench.malloc_preload("tcmalloc") == "libtcmalloc_minimal.so.4"
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    assert bench.worker_env(2, "libtcmalloc_minimal.so.4")["LD_PRELOAD"] == \
+        "libtcmalloc_minimal.so.4 libother.so"
+    assert bench.worker_env(2)["LD_PRELOAD"] == "libother.so"
 
 
 def test_quick_train_and_reference(tmp_path):
