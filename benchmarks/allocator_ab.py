@@ -5,8 +5,9 @@ faults, medians per process, then the median over processes per allocator.
     JAX_PLATFORMS=cpu python benchmarks/allocator_ab.py --pairs 4 --out /tmp/alloc.json
 
 Allocators: glibc (the process's own malloc), tcmalloc / jemalloc when the dynamic loader
-finds them (apt-get install libtcmalloc-minimal4 libjemalloc2), preloaded like
-``klear_jax.bench --malloc``. docs/performance.md has the runs.
+finds them (apt-get install libtcmalloc-minimal4 libjemalloc2). Every process gets
+``klear_jax.bench``'s workload environment (``worker_env``) and its tcmalloc lookup
+(``malloc_preload``). docs/performance.md has the runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
-LIBS = {"tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
+from klear_jax import bench  # noqa: E402
+
+
+def preload(name: str) -> str | None:
+    """The library to LD_PRELOAD for allocator ``name`` (None for glibc); exits when it is
+    unknown or not installed."""
+    if name == "glibc":
+        return None
+    lib = (bench.malloc_preload("auto") if name == "tcmalloc"
+           else ctypes.util.find_library("jemalloc") if name == "jemalloc" else None)
+    if lib is None:
+        sys.exit(f"--allocators: {name!r} unknown or not installed (glibc, tcmalloc, jemalloc)")
+    return lib
 
 
 def measure(steps: int) -> dict:
@@ -59,19 +72,15 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(measure(args.steps)))
         return
-    env = {}
-    for name in args.allocators.split(","):
-        if name == "glibc":
-            env[name] = {}
-        elif name in LIBS and ctypes.util.find_library(LIBS[name]):
-            env[name] = {"LD_PRELOAD": ctypes.util.find_library(LIBS[name])}
-        else:
-            sys.exit(f"--allocators: {name!r} unknown or not installed (glibc, {', '.join(LIBS)})")
+    if args.pairs < 1 or args.steps < 1:
+        ap.error(f"--pairs and --steps must be >= 1, got {args.pairs} and {args.steps}")
+    threads = bench._threads()
+    env = {name: bench.worker_env(threads, preload(name)) for name in args.allocators.split(",")}
     runs = {name: [] for name in env}
     for r in range(args.pairs):
         for name in (list(env) if r % 2 == 0 else list(env)[::-1]):
             p = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(args.steps)],
-                               env=dict(os.environ, **env[name]), capture_output=True, text=True,
+                               env=env[name], capture_output=True, text=True,
                                check=True)
             runs[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
             print(name, runs[name][-1], flush=True)
