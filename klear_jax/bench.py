@@ -39,6 +39,8 @@ HEADLINE = {"train": "tokens_per_s", "sample": "tokens_per_s",
 # The reference measures generate too: that number and the ones measured with it come from
 # the reference's median run by it, so the sample ratio pairs medians with medians.
 SECOND_HEADLINE = {"reference": ("generate_tokens_per_s", ("generate_s", "ttft_s"))}
+# Other numbers listed per round (``rounds``): the ratios the targets check.
+PER_ROUND = {"train": ("mfu",), "sample": ("decode_cost_ratio",)}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -148,12 +150,11 @@ def combine_runs(workload: str, runs: list[dict]) -> dict:
 
 
 def round_values(workload: str, runs: list[dict]) -> dict:
-    """'rounds' entries: each headline's value per run, keyed 'workload' and
-    'workload:second key'."""
+    """'rounds' entries: each headline's value per run, keyed 'workload', and the
+    ``PER_ROUND`` / ``SECOND_HEADLINE`` numbers, keyed 'workload:key'."""
     out = {workload: [r.get(HEADLINE[workload]) for r in runs]}
-    if workload in SECOND_HEADLINE:
-        key = SECOND_HEADLINE[workload][0]
-        out[f"{workload}:{key}"] = [r.get(key) for r in runs]
+    keys = PER_ROUND.get(workload, ()) + SECOND_HEADLINE.get(workload, ())[:1]
+    out.update({f"{workload}:{key}": [r.get(key) for r in runs] for key in keys})
     return out
 
 
@@ -264,7 +265,8 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per workload")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the workloads this many times, in reversed order every other "
-                        "round (ABBA); each reports its median run by HEADLINE")
+                        "round (ABBA); each reports its median run by HEADLINE; the JSON "
+                        "keeps every run whole under 'runs'")
     p.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
                    help="allocator of every workload process: auto = tcmalloc when installed")
     p.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
@@ -297,6 +299,7 @@ def main(argv=None) -> dict:
             res[w] = combine_runs(w, runs[w])
             if a.rounds > 1:
                 res.setdefault("rounds", {}).update(round_values(w, runs[w]))
+                res["runs"] = {w: rs for w, rs in runs.items() if rs}  # every run, whole
             res["machine"] = machine_info(a.threads, preload)
             res["ratios"] = ratios(res)
             res["targets"] = targets(res["ratios"])

@@ -17,7 +17,7 @@ import numpy as np
 FULL = dict(model=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
                        num_heads=8, num_kv_heads=4, head_dim=64),
             batch=8, seq=512, steps=9, prompts=8, prompt_len=64, new_tokens=256,
-            decode_ctx=(64, 1024), decode_delta=64, decode_reps=5, scale_seqs=(512, 2048, 8192),
+            decode_ctx=(64, 1024), decode_delta=64, decode_reps=7, scale_seqs=(512, 2048, 8192),
             scale_tokens=4096, scale_steps=2, compile_layers=(2, 8, 32), matmul_n=2048,
             matmul_reps=10)
 QUICK = dict(model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -184,6 +184,25 @@ def run_train(quick: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- sample
+def decode_step_runs(sampler, state, prompts_by_ctx: dict, new_tokens: int, reps: int) -> dict:
+    """{context length: [decode-loop seconds per step] x reps}: the decode loop's own wall
+    time (``Sampler.last_timings["decode_s"]``) over its ``new_tokens - 1`` steps (the first
+    token comes from the prefill). The contexts take turns (one call each per rep, order
+    reversed every other rep), so a drift in the box's speed hits every context alike; timing
+    whole calls instead would add the long prefill's run-to-run noise."""
+    from klear_jax.sampler import SamplingParams
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    for ps in prompts_by_ctx.values():  # compile every shape first
+        sampler.generate(state, ps, params, seed=0)
+    runs = {c: [] for c in prompts_by_ctx}
+    for r in range(reps):
+        for c in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            out = sampler.generate(state, prompts_by_ctx[c], params, seed=r + 1)
+            assert int(out.lengths.min()) == new_tokens, out.lengths
+            runs[c].append(sampler.last_timings["decode_s"] / (sampler.last_decode_steps - 1))
+    return runs
+
+
 def run_sample(quick: bool) -> dict:
     from flax import nnx
     from klear_jax.models import create_model
@@ -195,40 +214,32 @@ def run_sample(quick: bool) -> dict:
     rng = np.random.default_rng(0)
     prompts = lambda P: rng.integers(1, cfg.vocab_size, (s["prompts"], P)).tolist()
 
-    cache = {}
-
     def gen(P, M, reps):
-        """(first-call seconds incl. compile, median of ``reps`` timed calls, median decode
-        loop seconds per step of those calls); memoised."""
-        if (P, M) in cache:
-            return cache[P, M]
+        """(first-call seconds incl. compile, median of ``reps`` timed calls)."""
         params = SamplingParams(temperature=1.0, max_new_tokens=M)
         ps = prompts(P)
         t0 = time.perf_counter()
         out = sampler.generate(state, ps, params, seed=0)
         first = time.perf_counter() - t0
         assert int(out.lengths.min()) == M, out.lengths
-        ts_, steps = [], []
+        ts_ = []
         for r in range(reps):
             t0 = time.perf_counter()
             sampler.generate(state, ps, params, seed=r + 1)
             ts_.append(time.perf_counter() - t0)
-            if M > 1:  # the first token comes from the prefill; the loop makes the rest
-                steps.append(sampler.last_timings["decode_s"] / (sampler.last_decode_steps - 1))
-        cache[P, M] = first, statistics.median(ts_), statistics.median(steps) if steps else None
-        return cache[P, M]
+        return first, statistics.median(ts_)
 
     N, P, M = s["prompts"], s["prompt_len"], s["new_tokens"]
-    first, t_gen, _ = gen(P, M, 3)
-    _, ttft, _ = gen(P, 1, 3)
-    # Per-token decode cost: the decode loop's own wall time per step (timing the whole call
-    # and subtracting a 1-token call instead adds the long prefill's run-to-run noise).
-    decode = {str(ctx): gen(ctx, 1 + s["decode_delta"], s["decode_reps"])[2]
-              for ctx in s["decode_ctx"]}
+    first, t_gen = gen(P, M, 3)
+    _, ttft = gen(P, 1, 3)
+    runs = decode_step_runs(sampler, state, {c: prompts(c) for c in s["decode_ctx"]},
+                            1 + s["decode_delta"], s["decode_reps"])
+    decode = {str(c): statistics.median(ts) for c, ts in runs.items()}
     lo, hi = (str(c) for c in s["decode_ctx"])
     return {"prompts": N, "prompt_len": P, "new_tokens": M, "generate_s": t_gen,
             "first_call_s": first, "tokens_per_s": N * M / t_gen, "ttft_s": ttft,
             "decode_step_s": decode, "decode_cost_ratio": decode[hi] / decode[lo],
+            "decode_step_runs_s": {str(c): ts for c, ts in runs.items()},
             "decode_delta_tokens": s["decode_delta"], "sampling": "temperature 1, no top-k/top-p",
             "peak_rss_bytes": peak_rss_bytes()}
 

@@ -3,6 +3,7 @@ no timing assertions), the analytic FLOPs and the ratio / target logic."""
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -93,6 +94,34 @@ def test_reference_generate_numbers_come_from_their_own_median_run():
     assert bench.round_values("reference", runs) == {
         "reference": [300.0, 400.0], "reference:generate_tokens_per_s": [180.0, 160.0]}
     assert bench.combine_runs("train", [{"tokens_per_s": 1.0}]) == {"tokens_per_s": 1.0}
+    assert bench.round_values("train", [{"tokens_per_s": 1.0, "mfu": 0.5}, {"error": "x"}]) == {
+        "train": [1.0, None], "train:mfu": [0.5, None]}
+
+
+def test_rounds_keep_every_run(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_spawn(name, quick, threads, timeout, preload):
+        calls.append(name)
+        n = len(calls)
+        return ({"tokens_per_s": 100.0 + n, "mfu": n / 10, "batch": 8, "seq_len": 512,
+                 "matmul": {"peak_flops": 2e11}, "compile_s": 9.0, "peak_rss_bytes": 2**30,
+                 "memory": {"peak_estimate": 2**30}} if name == "train" else
+                {"tokens_per_s": 50.0 + n, "decode_cost_ratio": 1.0 + n / 10,
+                 "decode_step_s": {"64": 0.02, "1024": 0.03}, "ttft_s": 0.1,
+                 "prompts": 8, "prompt_len": 64, "new_tokens": 256})
+    monkeypatch.setattr(bench, "spawn", fake_spawn)
+    out = tmp_path / "r.json"
+    res = bench.main(["--workloads", "train,sample", "--rounds", "3", "--malloc", "system",
+                      "--out", str(out)])
+    assert calls == ["train", "sample", "sample", "train", "train", "sample"]
+    assert json.loads(out.read_text())["runs"] == res["runs"]
+    assert [r["mfu"] for r in res["runs"]["train"]] == [0.1, 0.4, 0.5]
+    assert res["train"]["mfu"] == 0.4  # the median run by tokens/s, whole
+    assert res["rounds"]["train:mfu"] == [0.1, 0.4, 0.5]
+    assert res["rounds"]["sample:decode_cost_ratio"] == [1.2, 1.3, 1.6]
+    assert res["sample"]["decode_cost_ratio"] == 1.3
+    assert "sample decode_cost_ratio per round" in bench.table(res)
 
 
 def test_bad_workload_name():
@@ -146,6 +175,9 @@ def test_quick_sample(tmp_path):
         assert _pos(s[k]), (k, s[k])
     assert set(s["decode_step_s"]) == {"8", "32"}
     assert all(math.isfinite(v) for v in s["decode_step_s"].values())  # differences: noisy
+    runs = s["decode_step_runs_s"]  # interleaved calls, 2 per context at --quick
+    assert set(runs) == {"8", "32"} and all(len(v) == 2 and all(map(_pos, v)) for v in runs.values())
+    assert s["decode_step_s"]["8"] == pytest.approx(statistics.median(runs["8"]))
 
 
 @pytest.mark.slow
