@@ -107,7 +107,7 @@ def test_rounds_keep_every_run(tmp_path, monkeypatch):
         return ({"tokens_per_s": 100.0 + n, "mfu": n / 10, "batch": 8, "seq_len": 512,
                  "matmul": {"peak_flops": 2e11}, "compile_s": 9.0, "peak_rss_bytes": 2**30,
                  "memory": {"peak_estimate": 2**30}} if name == "train" else
-                {"tokens_per_s": 50.0 + n, "decode_cost_ratio": 1.0 + n / 10,
+                {"tokens_per_s": 50.0 + n, "decode_cost_ratio": {2: 1.1, 3: 1.6, 6: 1.3}[n],
                  "decode_step_s": {"64": 0.02, "1024": 0.03}, "ttft_s": 0.1,
                  "prompts": 8, "prompt_len": 64, "new_tokens": 256})
     monkeypatch.setattr(bench, "spawn", fake_spawn)
@@ -119,8 +119,10 @@ def test_rounds_keep_every_run(tmp_path, monkeypatch):
     assert [r["mfu"] for r in res["runs"]["train"]] == [0.1, 0.4, 0.5]
     assert res["train"]["mfu"] == 0.4  # the median run by tokens/s, whole
     assert res["rounds"]["train:mfu"] == [0.1, 0.4, 0.5]
-    assert res["rounds"]["sample:decode_cost_ratio"] == [1.2, 1.3, 1.6]
-    assert res["sample"]["decode_cost_ratio"] == 1.3
+    assert res["rounds"]["sample:decode_cost_ratio"] == [1.1, 1.6, 1.3]
+    # its own median run (the third), not the median run by tokens/s (the second)
+    assert res["sample"]["decode_cost_ratio"] == 1.3 and res["sample"]["tokens_per_s"] == 53.0
+    assert res["targets"]["decode_cost_1024_vs_64"]["value"] == 1.3
     assert "sample decode_cost_ratio per round" in bench.table(res)
 
 
