@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from klear_jax.bench_workloads import bracket_peak
+
 
 def torch_matmul_peak(n: int, reps: int) -> dict:
     """float32 [n, n] @ [n, n] throughput: best and median of ``reps`` timed calls."""
@@ -74,7 +76,7 @@ def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, ste
     out = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
            "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa",
            "loss": "ppo-clip surrogate on token logprobs + 0.1 x positive-row NLL"}
-    out["matmul"] = torch_matmul_peak(matmul_n, matmul_reps)
+    peak_before = torch_matmul_peak(matmul_n, matmul_reps)
     model = make_model(cfg)
     batch = {k: torch.from_numpy(np.asarray(v)) for k, v in batch_np.items()}
     for k in ("input_ids", "targets"):
@@ -103,6 +105,7 @@ def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, ste
     med = statistics.median(times)
     out["train_step_s"] = med
     out["train_step_times_s"] = times
+    out["matmul"] = bracket_peak(peak_before, torch_matmul_peak(matmul_n, matmul_reps))
     out["train_tokens_per_s"] = B * T / med
     out["n_params"] = sum(p.numel() for p in model.parameters())
 

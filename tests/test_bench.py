@@ -161,6 +161,8 @@ def test_quick_train_and_reference(tmp_path):
         assert _pos(t[k]), (k, t[k])
     assert len(t["step_times_s"]) >= 5 and all(_pos(x) for x in t["step_times_s"])
     assert _pos(t["matmul"]["peak_flops"]) and _pos(t["memory"]["peak_estimate"])
+    for mm in (t["matmul"], res["reference"]["matmul"]):  # the higher of before / after
+        assert mm["peak_flops"] == max(mm["peak_flops_before_after"])
     assert math.isfinite(t["loss"])
     ref = res["reference"]
     for k in ("train_tokens_per_s", "generate_tokens_per_s", "ttft_s", "mfu"):
