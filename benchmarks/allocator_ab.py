@@ -77,8 +77,8 @@ def main(argv=None):
     threads = bench._threads()
     env = {name: bench.worker_env(threads, preload(name)) for name in args.allocators.split(",")}
     runs = {name: [] for name in env}
-    for r in range(args.pairs):
-        for name in (list(env) if r % 2 == 0 else list(env)[::-1]):
+    for order in bench.round_orders(list(env), args.pairs):
+        for name in order:
             p = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(args.steps)],
                                env=env[name], capture_output=True, text=True,
                                check=True)

@@ -28,9 +28,9 @@ import sys
 import tempfile
 import time
 
-from klear_jax.bench_workloads import (model_config, rl_batch, run_reference_workload,  # noqa: F401
-                                       run_sample, run_scale, run_train, sizes,
-                                       train_flops_per_token)
+from klear_jax.bench_workloads import (model_config, rl_batch, round_orders,  # noqa: F401
+                                       run_reference_workload, run_sample, run_scale,
+                                       run_train, sizes, train_flops_per_token)
 
 WORKLOADS = ("train", "sample", "reference", "scale")
 # The number each workload's repeated runs are ranked by (``--rounds``).
@@ -133,12 +133,6 @@ def spawn(name: str, quick: bool, threads: int, timeout: float,
                     "stderr_tail": p.stderr[-3000:]}
         with open(path) as f:
             return json.load(f)
-
-
-def round_orders(names: list[str], rounds: int) -> list[list[str]]:
-    """Workload order per round, reversed every other round: train, reference, reference,
-    train for two rounds (ABBA), so that a drift in the box's speed hits both sides alike."""
-    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
 
 
 def combine_runs(workload: str, runs: list[dict]) -> dict:

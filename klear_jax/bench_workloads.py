@@ -61,6 +61,13 @@ def rl_batch(cfg, B: int, T: int, seed: int = 0) -> dict:
             "positive": adv > 0, "sampler_logp": np.zeros((B, T), np.float32)}
 
 
+def round_orders(names: list, rounds: int) -> list[list]:
+    """The order of ``names`` per round, reversed every other round: train, reference,
+    reference, train for two rounds (ABBA), so that a drift in the box's speed hits both
+    sides alike."""
+    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -206,8 +213,8 @@ def decode_step_runs(sampler, state, prompts_by_ctx: dict, new_tokens: int, reps
     for ps in prompts_by_ctx.values():  # compile every shape first
         sampler.generate(state, ps, params, seed=0)
     runs = {c: [] for c in prompts_by_ctx}
-    for r in range(reps):
-        for c in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+    for r, order in enumerate(round_orders(list(runs), reps)):
+        for c in order:
             out = sampler.generate(state, prompts_by_ctx[c], params, seed=r + 1)
             assert int(out.lengths.min()) == new_tokens, out.lengths
             runs[c].append(sampler.last_timings["decode_s"] / (sampler.last_decode_steps - 1))
