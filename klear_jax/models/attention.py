@@ -34,7 +34,7 @@ def _masked_exp(s, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked row: avoid inf - inf
-    e = jnp.where(mask, jnp.exp(s - m), 0.0)
+    e = jnp.exp(s - m)  # exactly 0 where masked: no second select over [.., T, S]
     denom = jnp.sum(e, axis=-1, keepdims=True)
     return e, jnp.where(denom > 0, denom, 1.0)
 
@@ -125,14 +125,17 @@ def _scores_exp(qg, k, masks, scale: float, keys_transposed: bool = False):
     [B, K, hd, S] when ``keys_transposed``: decoding over it runs ~1.6x faster,
     benchmarks/decode_attention.py)."""
     k_spec = "bkds" if keys_transposed else "bksd"
-    s = jnp.einsum(f"bkgtd,{k_spec}->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    # The scale goes on q, [.., T, hd], rather than on the [.., T, S] scores.
+    s = jnp.einsum(f"bkgtd,{k_spec}->bkgts", qg * jnp.asarray(scale, qg.dtype), k,
+                   preferred_element_type=jnp.float32)
     return _masked_exp(s, *masks)
 
 
 def _probabilities(qg, k, masks, scale: float):
-    """float32 [B, K, G, T, S] softmax probabilities (``_scores_exp`` normalised)."""
+    """float32 [B, K, G, T, S] softmax probabilities (``_scores_exp`` normalised; one
+    reciprocal per row, a multiply per score)."""
     e, denom = _scores_exp(qg, k, masks, scale)
-    return e / denom
+    return e * (1.0 / denom)
 
 
 def _grouped_attention(qg, k, v, masks, scale: float, keys_transposed: bool = False):
