@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from klear_jax import losses
 from klear_jax import sharding as shd
-from klear_jax.optim import opt_state_shardings
+from klear_jax.optim import SkippingTransformation, global_norm, opt_state_shardings
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[Any, Any, Mapping[str, jax.Array]]]
 
@@ -211,17 +211,21 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                        for k in loss_sum)
             tokens = sum(jax.tree.leaves(global_denoms))
             denom = global_denoms
-        grad_norm = optax.global_norm(grads)
+        grad_norm = global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (tokens > 0)
         lr = schedule(_schedule_count(state.opt_state)) if schedule is not None else jnp.nan
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        if isinstance(optimizer, SkippingTransformation):  # skips inside its fused update
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params, ok=ok)
+            new_params = optax.apply_updates(state.params, updates)
+        else:
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+            new_params = keep(optax.apply_updates(state.params, updates), state.params)
+            new_opt = keep(new_opt, state.opt_state)
         skipped = (~ok).astype(jnp.int32)
         new_state = TrainState(step=state.step + 1, skipped=state.skipped + skipped,
-                               params=keep(new_params, state.params),
-                               opt_state=keep(new_opt, state.opt_state))
+                               params=new_params, opt_state=new_opt)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
                    "tokens": jnp.asarray(tokens, jnp.float32), "skipped": skipped,
                    "skipped_total": new_state.skipped}
