@@ -176,12 +176,16 @@ def target_platform() -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
-# XLA CPU hands dots to YNNPACK by default; an empty YNN fusion-type list turns that off and
-# leaves them to Eigen. For training-shaped dots (thousands of rows) Eigen was faster: the
-# bench-small train step took 10.38 -> 9.79 s, interleaved over 8 rounds, 7 of them faster.
-# Decoding (8-row dots, KV-cache attention) was slower with Eigen (generate 244 -> 208
-# tokens/s), so the sampler keeps the default. docs/performance.md has the runs.
-CPU_TRAINING_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# XLA CPU hands dots to YNNPACK by default. For training-shaped dots (thousands of rows) Eigen
+# was faster: the bench-small train step took 10.38 -> 9.79 s, interleaved over 8 rounds, 7 of
+# them faster, so the training list leaves dots out. It keeps reductions: YNNPACK reduces an
+# elementwise expression in one pass (x^2 of an RMSNorm, exp(s - m) of a softmax over 32000
+# logits), where XLA's own tree rewrite first writes the expression out to memory:
+# 7.20 -> 6.93 s (10 interleaved pairs, 9 faster; another 8 pairs 7.37 -> 6.77 s), loss equal.
+# Adding YNN's elementwise fusions was slower (7.18 -> 7.40 s). Decoding (8-row dots, KV-cache
+# attention) was slower with Eigen dots (generate 244 -> 208 tokens/s), so the sampler keeps
+# the default. docs/performance.md has the runs.
+CPU_TRAINING_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 
 
 def training_compiler_options(mesh: Mesh) -> dict | None:

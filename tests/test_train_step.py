@@ -240,13 +240,20 @@ def test_train_step_learns(mesh8):
 
 def test_cpu_train_step_leaves_dots_to_eigen(mesh8):
     """On a CPU mesh the train step compiles with CPU_TRAINING_COMPILER_OPTIONS: plain XLA
-    dots, none handed to YNNPACK (the default, which the sampler keeps)."""
+    dots, none handed to YNNPACK (the default, which the sampler keeps); reductions go to
+    YNNPACK, with their elementwise producers fused in."""
+    import re
     from klear_jax.aot import parse_topology, topology_devices
     assert shd.training_compiler_options(mesh8) == shd.CPU_TRAINING_COMPILER_OPTIONS
     tpu_mesh = shd.make_mesh(fsdp=8, devices=topology_devices(parse_topology("v5p:2x2x2")))
     assert shd.training_compiler_options(tpu_mesh) is None
     state, step = setup(mesh8, 1, SGD)
     hlo = step.lower(state, make_batch()).compile().as_text()
-    assert " dot(" in hlo and "__ynn_fusion" not in hlo
+    ynn_bodies = re.findall(r"kind=kCustom, calls=%([\w.\-]+)[^\n]*__ynn_fusion", hlo)
+    assert " dot(" in hlo and ynn_bodies
+    for name in ynn_bodies:  # each YNN fusion is a reduction, none holds a dot
+        body = hlo[hlo.index(f"%{name} "):]
+        body = body[:body.index("\n}")]
+        assert " reduce(" in body and " dot(" not in body, body
     plain = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 64)), jnp.ones((64, 64)))
     assert "__ynn_fusion" in plain.compile().as_text()  # what the option turns off
