@@ -38,7 +38,7 @@ def chain_step(optimizer):
 
 def fused_step(optimizer):
     def step(params, opt_state, grads):
-        ok = jnp.isfinite(optim.global_norm(grads))
+        ok = jnp.isfinite(optax.global_norm(grads))
         updates, new_opt = optimizer.update(grads, opt_state, params, ok=ok)
         return optax.apply_updates(params, updates), new_opt
     return step

@@ -64,12 +64,6 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def global_norm(tree: Any) -> jax.Array:
-    """sqrt(sum of squares) over every leaf, each leaf's sum as one full contraction (a dot on
-    CPU, where the square-then-reduce form wrote the squares out first)."""
-    return jnp.sqrt(sum(jnp.tensordot(x, x, axes=x.ndim) for x in jax.tree.leaves(tree)))
-
-
 class SkippingTransformation(optax.GradientTransformationExtraArgs):
     """An optax transformation whose ``update(grads, state, params, *, ok=True)`` takes the
     train step's verdict ``ok`` (bool []): when False it returns zero updates and the state
@@ -109,20 +103,17 @@ def clipped_adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float,
         sched = _find_state(state, optax.ScaleByScheduleState)
         factor = jnp.float32(1.0)
         if clip_norm > 0:
-            norm = global_norm(grads)
+            norm = optax.global_norm(grads)
             factor = jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
         count = optax.safe_increment(adam.count)
         corr1, corr2 = 1 - b1 ** count, 1 - b2 ** count
         lr = schedule(sched.count)
 
-        def moments(g, m, v):
-            g = g.astype(jnp.float32) * factor
-            new_m = jnp.where(ok, (1 - b1) * g + b1 * m, m).astype(m.dtype)
-            new_v = jnp.where(ok, (1 - b2) * (g * g) + b2 * v, v).astype(v.dtype)
-            return new_m, new_v
-        pairs = jax.tree.map(moments, grads, adam.mu, adam.nu)
-        mu = jax.tree.map(lambda _, mv: mv[0], grads, pairs)
-        nu = jax.tree.map(lambda _, mv: mv[1], grads, pairs)
+        clipped = lambda g: g.astype(jnp.float32) * factor
+        mu = jax.tree.map(lambda g, m: jnp.where(ok, (1 - b1) * clipped(g) + b1 * m, m)
+                          .astype(m.dtype), grads, adam.mu)
+        nu = jax.tree.map(lambda g, v: jnp.where(ok, (1 - b2) * clipped(g) ** 2 + b2 * v, v)
+                          .astype(v.dtype), grads, adam.nu)
         # The weight update reads the stored moments; left to itself XLA recomputes them from
         # the old ones inside the weight update, and must copy both (donated) moment buffers.
         mu, nu = jax.lax.optimization_barrier((mu, nu))

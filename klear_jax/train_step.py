@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from klear_jax import losses
 from klear_jax import sharding as shd
-from klear_jax.optim import SkippingTransformation, global_norm, opt_state_shardings
+from klear_jax.optim import SkippingTransformation, opt_state_shardings
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[Any, Any, Mapping[str, jax.Array]]]
 
@@ -211,7 +211,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                        for k in loss_sum)
             tokens = sum(jax.tree.leaves(global_denoms))
             denom = global_denoms
-        grad_norm = global_norm(grads)
+        grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (tokens > 0)
         lr = schedule(_schedule_count(state.opt_state)) if schedule is not None else jnp.nan
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)

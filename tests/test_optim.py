@@ -53,7 +53,7 @@ def test_matches_optax_chain(clip_norm, scale, mu_dtype):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         np.asarray(a, np.float32), np.asarray(b, np.float32), **tol), got_s, want_s)
     assert jax.tree.map(lambda x: x.dtype, got_s) == jax.tree.map(lambda x: x.dtype, want_s)
-    # weight decay only where the mask says: bias and norm scales move by Adam alone
+    # every leaf moved (the comparison above covers which of them are decayed)
     moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got_p, params)
     assert all(v > 0 for v in jax.tree.leaves(moved))
 
@@ -72,9 +72,8 @@ def test_not_ok_keeps_everything():
     assert int(same[1][0].count) == 2
 
 
-def test_global_norm_and_needs_params():
+def test_update_needs_params():
     tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.full((4,), 2.0)}
-    np.testing.assert_allclose(optim.global_norm(tree), optax.global_norm(tree), rtol=1e-6)
     fused = optim.clipped_adamw(optim.make_schedule(1e-3, "constant"), mask=optim.decay_mask,
                                 **HYPER)
     with pytest.raises(ValueError, match="needs params"):
