@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -78,7 +79,6 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
                 f"mesh: data*fsdp*tensor = {total} but only {len(devices)} devices ({sizes})")
     shape = tuple(sizes[a] for a in MESH_AXES)
     try:
-        from jax.experimental import mesh_utils
         dev_array = mesh_utils.create_device_mesh(shape, devices=devices)
     except Exception:  # CPU fake devices or unusual topologies: plain reshape
         dev_array = np.asarray(devices).reshape(shape)
@@ -169,38 +169,11 @@ def current_mesh() -> Mesh | None:
     return _ACTIVE_MESH[-1] if _ACTIVE_MESH else None
 
 
-def target_platform() -> str:
-    """Platform the code is being compiled for: the active mesh's devices (TPU devices when
-    compiling ahead of time for a TPU topology from a CPU host), else the default backend."""
-    mesh = current_mesh()
-    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
-# XLA CPU hands dots to YNNPACK by default. For training-shaped dots (thousands of rows) Eigen
-# was faster: the bench-small train step took 10.38 -> 9.79 s, interleaved over 8 rounds, 7 of
-# them faster, so the training list leaves dots out. It keeps reductions: YNNPACK reduces an
-# elementwise expression in one pass (x^2 of an RMSNorm, exp(s - m) of a softmax over 32000
-# logits), where XLA's own tree rewrite first writes the expression out to memory:
-# 7.20 -> 6.93 s (10 interleaved pairs, 9 faster; another 8 pairs 7.37 -> 6.77 s), loss equal.
-# Adding YNN's elementwise fusions was slower (7.18 -> 7.40 s). Decoding (8-row dots, KV-cache
-# attention) was slower with Eigen dots (generate 244 -> 208 tokens/s), so the sampler keeps
-# the default. docs/performance.md has the runs.
-CPU_TRAINING_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
-
-
-def training_compiler_options(mesh: Mesh) -> dict | None:
-    """``jax.jit`` compiler options for training-shaped programs (train step, log-prob pass)
-    on ``mesh``: CPU_TRAINING_COMPILER_OPTIONS on a CPU mesh, None (XLA's defaults) on TPU /
-    GPU, including when compiling ahead of time for a TPU topology from a CPU host."""
-    return dict(CPU_TRAINING_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "cpu" else None
-
-
-def tree_shardings(abstract_tree, names_tree, mesh: Mesh, rules=LOGICAL_RULES):
-    """NamedShardings for a pytree of arrays/ShapeDtypeStructs given a matching tree of
-    logical-name tuples (None leaves -> replicated)."""
-    return jax.tree.map(
-        lambda x, n: named_sharding(mesh, n, getattr(x, "shape", None), rules),
-        abstract_tree, names_tree, is_leaf=lambda n: n is None or isinstance(n, tuple))
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-host sharded) array as one numpy array on every process."""
+    if not getattr(x, "is_fully_addressable", True):
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
 
 
 def initialize_distributed(coordinator_address: str | None = None,

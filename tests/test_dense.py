@@ -1,10 +1,11 @@
-"""models.dense.project: the einsum's values and gradients, through the CPU custom VJP."""
+"""models.kernels.project: the einsum's values and gradients, through the CPU custom VJP."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from klear_jax.models.dense import leading_contraction, project
+from klear_jax.models.cpu_kernels import leading_contraction
+from klear_jax.models.kernels import project
 
 
 def test_leading_contraction_accepts_only_trailing_with_leading():

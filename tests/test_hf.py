@@ -90,7 +90,7 @@ def test_logits_match_transformers(hf_models, case):
 @pytest.mark.parametrize("case", ["qwen3_gqa_untied", "qwen2_tied"])
 def test_gradients_match_transformers(hf_models, case, tmp_path):
     """Every parameter's gradient of sum(logits * cot) equals torch's: covers the CPU custom
-    VJPs (dense.project, swiglu, apply_rope, rms_norm, the blocked attention recompute at
+    VJPs (cpu_kernels: project, swiglu, apply_rope, rms_norm, the blocked attention recompute at
     T = 128)."""
     d, hf_model = hf_models[case]
     ids = _ids(2, 128, seed=5)

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from klear_jax.backend import ATTENTION_IMPLS
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = {
@@ -25,7 +27,7 @@ REMAT_POLICIES = {
     "dots_no_batch": "dots_with_no_batch_dims_saveable",
     "save_everything": "everything_saveable",
 }
-ATTENTION_IMPLS = ("xla", "splash")
+
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
               "attention_factor", "mscale", "mscale_all_dim", "truncate")
 
@@ -55,7 +57,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat_policy: str = "none"
     scan_layers: bool = True  # False unrolls the layer loop (compile time grows with depth)
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"  # klear_jax.backend: splash on TPU, fused on GPU, XLA on CPU
     logprob_chunk_size: int = 512
     logprob_remat: bool = True  # recompute each logprob chunk's logits in the backward pass
     model_type: str = "qwen3"

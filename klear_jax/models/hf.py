@@ -20,6 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from klear_jax import sharding as shd
 from klear_jax.models.config import ModelConfig
 from klear_jax.models.qwen import Qwen, param_shardings
 
@@ -152,13 +153,6 @@ def from_hf(hf_dir: str, dtype: str = "float32", param_dtype: str | None = None,
     return nnx.merge(graphdef, state)
 
 
-def _to_host(arr) -> np.ndarray:
-    if not getattr(arr, "is_fully_addressable", True):
-        from jax.experimental import multihost_utils
-        arr = multihost_utils.process_allgather(arr, tiled=True)
-    return np.asarray(jax.device_get(arr))
-
-
 def to_hf(model: Qwen, out_dir: str, max_shard_bytes: int = 5 * 2**30,
           dtype: str | None = None) -> None:
     """Writes config.json + model.safetensors (or model-0000i-of-0000N.safetensors with an
@@ -196,7 +190,7 @@ def to_hf(model: Qwen, out_dir: str, max_shard_bytes: int = 5 * 2**30,
         tensors = {}
         for j in idxs:
             path, name, kind, hf_shape = specs[j]
-            host = _to_host(flat[path].get_value()).astype(odt)
+            host = shd.to_host(flat[path].get_value()).astype(odt)
             for i, nm in enumerate(_hf_names(cfg, name)):
                 w = host[i] if "{i}" in name else host
                 w = w.reshape(hf_shape[::-1]).T if kind == "T" else w.reshape(hf_shape)

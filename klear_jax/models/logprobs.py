@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from klear_jax.models.dense import project
+from klear_jax.models.kernels import project
 
 
 def _check_inputs(hidden, unembed, targets, temperature):

@@ -32,10 +32,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from klear_jax import sharding as shd
-from klear_jax.models.attention import (apply_rope, attention, head_major_attention,
-                                        positions_from_segment_ids, rope_cos_sin)
+from klear_jax.models.attention import positions_from_segment_ids, rope_cos_sin
 from klear_jax.models.config import ModelConfig, remat_policy, rope_frequencies
-from klear_jax.models.dense import project
+from klear_jax.models.kernels import (apply_rope, attention, cache_attention, project, rms_norm,
+                                      swiglu)
+from klear_jax.models.logprobs import chunked_token_logprobs
 
 _INIT_STD = 0.02
 
@@ -48,34 +49,6 @@ def _param(rngs, shape, names, dtype, init="normal"):
     else:
         value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, logical_axes=tuple(names))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rms_norm(x, scale, eps):
-    """RMSNorm in float32, returned in x's dtype. x [..., N], scale [N].
-
-    Its VJP keeps x and the [..., 1] inverse RMS and computes dx in one pass,
-    ``inv * (gs - x_hat * mean(gs * x_hat))`` with gs = g * scale."""
-    return _rms_norm_fwd(x, scale, eps)[0]
-
-
-def _rms_norm_fwd(x, scale, eps):
-    xf = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * (xf * inv)).astype(x.dtype), (x, scale, inv)
-
-
-def _rms_norm_bwd(eps, res, g):
-    x, scale, inv = res
-    x_hat = x.astype(jnp.float32) * inv
-    gf = g.astype(jnp.float32)
-    gs = gf * scale.astype(jnp.float32)
-    dx = inv * (gs - x_hat * jnp.mean(gs * x_hat, axis=-1, keepdims=True))
-    d_scale = jnp.sum(gf * x_hat, axis=tuple(range(x.ndim - 1)))
-    return dx.astype(x.dtype), d_scale.reshape(scale.shape).astype(scale.dtype)
-
-
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -139,7 +112,7 @@ class Attention(nnx.Module):
         v = shd.constrain(v, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
         if kv is None:
             out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl,
-                            recompute=self.recompute_probs, causal_by_index=True)
+                            recompute=self.recompute_probs)
             new_cache = None
         else:
             ck, cv, kv_pos, kv_seg, index = kv
@@ -151,34 +124,11 @@ class Attention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype),
                                               (zero, zero, index, zero))
             ck, cv = shd.constrain(ck, CACHE_K_AXES), shd.constrain(cv, CACHE_V_AXES)
-            out = head_major_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos,
-                                       kv_pos, q_seg, kv_seg, keys_transposed=True)
+            out = cache_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos, kv_pos,
+                                  q_seg, kv_seg)
             new_cache = (ck, cv)
         y = self.o_proj(out, "bthk,hkd->btd")
         return y, new_cache
-
-
-@jax.custom_vjp
-def swiglu(gate, up):
-    """``silu(gate) * up``, any shape. Its VJP keeps only gate and up and recomputes the
-    sigmoid, where autodiff of ``jax.nn.silu(gate) * up`` keeps two more [.., F] tensors per
-    layer (sigmoid(gate), silu(gate)) for the backward pass."""
-    return jax.nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate, up):
-    return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_bwd(res, g):
-    gate, up = res
-    gf, uf, g = gate.astype(jnp.float32), up.astype(jnp.float32), g.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gf)
-    d_gate = g * uf * sig * (1.0 + gf * (1.0 - sig))  # d silu(z)/dz = s (1 + z (1 - s))
-    return d_gate.astype(gate.dtype), (g * gf * sig).astype(up.dtype)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):
@@ -319,15 +269,15 @@ class Qwen(nnx.Module):
         return shd.constrain(out, ("act_batch", "act_length", "act_vocab"))
 
     def token_logprobs(self, input_ids, targets, positions=None, segment_ids=None,
-                       return_entropy=False):
-        """(log p(targets) float32 [B, T], entropy float32 [B, T] or None), chunked over T so
-        the [B, T, V] logits are never materialised."""
-        from klear_jax.models.logprobs import chunked_token_logprobs
+                       return_entropy=False, temperature=1.0):
+        """(log p(targets) float32 [B, T], entropy float32 [B, T] or None) under the
+        policy's logits / ``temperature``, chunked over T so the [B, T, V] logits are never
+        materialised."""
         h, _ = self.hidden_states(input_ids, positions, segment_ids)
         return chunked_token_logprobs(h, self.unembed_matrix(), targets,
                                       chunk_size=self.config.logprob_chunk_size,
                                       remat=self.config.logprob_remat,
-                                      return_entropy=return_entropy)
+                                      return_entropy=return_entropy, temperature=temperature)
 
 
 # ------------------------------------------------------------------------- KV cache

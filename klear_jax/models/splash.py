@@ -37,7 +37,6 @@ from klear_jax.sharding import current_mesh, logical_to_spec
 LANES = 128
 Q_NAMES = ("act_batch", "act_length", "act_q_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
-SEG_NAMES = ("act_batch", "act_length")
 
 
 def _round_up(x: int, m: int) -> int:
