@@ -32,6 +32,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
+
+from klear_jax.models import ModelConfig, Qwen, param_shardings
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -57,7 +60,6 @@ def model_config_dict(cfg) -> dict:
 
 
 def model_config_from_dict(d: Mapping[str, Any], **overrides):
-    from klear_jax.models import ModelConfig
     if "klear_jax_config" in d:
         kw = dict(d["klear_jax_config"])
         kw.update(overrides)
@@ -67,7 +69,6 @@ def model_config_from_dict(d: Mapping[str, Any], **overrides):
 
 def abstract_model(model_cfg, mesh=None):
     """(graphdef, abstract params pure dict with target shardings when mesh is given)."""
-    from klear_jax.models import Qwen, param_shardings
     abstract = nnx.eval_shape(lambda: Qwen(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     params = state.to_pure_dict()
@@ -199,7 +200,6 @@ class PreemptionFlag:
         so all hosts stop at the same step boundary)."""
         flag = self._event.is_set()
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
         return flag
 

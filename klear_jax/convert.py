@@ -14,19 +14,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
+
+from klear_jax.checkpoint import restore_params, save_params
+from klear_jax.models import from_hf, to_hf
+from klear_jax.sharding import make_mesh
+
 
 def hf_to_orbax(hf_dir: str, ckpt_dir: str, param_dtype: str = "float32", mesh=None,
                 step: int = 0) -> None:
-    from klear_jax.checkpoint import save_params
-    from klear_jax.models import from_hf
     model = from_hf(hf_dir, dtype=param_dtype, param_dtype=param_dtype, mesh=mesh)
     save_params(ckpt_dir, model, step=step)
 
 
 def orbax_to_hf(ckpt_dir: str, hf_dir: str, step: int | None = None, dtype: str | None = None,
                 mesh=None) -> None:
-    from klear_jax.checkpoint import restore_params
-    from klear_jax.models import to_hf
     model = restore_params(ckpt_dir, mesh=mesh, step=step)
     to_hf(model, hf_dir, dtype=dtype)
 
@@ -51,8 +53,6 @@ def main(argv=None) -> int:
         p.error("--from needs --to_hf HF_DIR")
     mesh = None
     if a.fsdp:
-        import jax
-        from klear_jax.sharding import make_mesh
         mesh = make_mesh(fsdp=a.fsdp, devices=jax.devices()[:a.fsdp])
     try:
         if a.from_hf:

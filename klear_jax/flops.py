@@ -1,4 +1,5 @@
-"""Chip specs and analytical FLOPs for the AOT report (``klear_jax.aot``).
+"""Analytical model FLOPs (the one place they are counted: AOT reports and benchmarks) and
+accelerator chip specs.
 
 XLA's ``cost_analysis`` counts the body of a scan / while loop once, so for a layer-scanned
 model its FLOPs are low by about the layer count; these formulas count everything.
@@ -6,14 +7,16 @@ model its FLOPs are low by about the layer count; these formulas count everythin
 Per token, forward, 2 FLOPs per multiply-add:
     dense  = 2 * (L * (D*H*hd + 2*D*K*hd + H*hd*D + 3*D*F) + D*V)      (the "6N" N, x2)
     attn   = L * 4 * H * hd * c            (q.k and p.v against c context tokens)
-Model FLOPs (the MFU numerator) count causal attention at its average context: a packed or
-RL row of length T is taken as ONE sequence (an upper bound for packed rows). Training =
+Model FLOPs (the MFU numerator) count causal attention at its average context T / 2: a
+packed or RL row of length T is taken as ONE sequence (an upper bound for packed rows). Training =
 3 x forward; hardware FLOPs add one more forward when the layers are rematerialised.
 The sampler's XLA attention runs over the whole cache (S slots, masked), so its hardware
 attention FLOPs use c = S.
 """
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 # bf16 dense peak per chip, HBM per chip, HBM bandwidth per chip (Cloud TPU public specs).
 CHIPS = {
@@ -33,6 +36,11 @@ def attn_flops_per_token(m, context: float) -> float:
     return 4.0 * m.num_layers * m.num_heads * m.head_dim * context
 
 
+def train_flops_per_token(m, seq: int) -> float:
+    """Model FLOPs per trained token of a row of length ``seq``: 3 x (dense + attention)."""
+    return 3.0 * (dense_flops_per_token(m) + attn_flops_per_token(m, seq / 2))
+
+
 def param_count(m) -> int:
     D, H, K, hd, F, L, V = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                             m.intermediate_size, m.num_layers, m.vocab_size)
@@ -44,13 +52,11 @@ def analytical_flops(m, kind: str, rows: int, seq: int, cache: int = 0) -> dict:
     """kind "train": rows x seq tokens, fwd + bwd (+ remat forward in hardware FLOPs);
     "prefill": rows x seq prompt tokens into a ``cache``-slot cache, head on the last token;
     "decode": rows x seq generated tokens, each against the cache (context ~ cache - seq/2)."""
-    import jax.numpy as jnp
     tokens = rows * seq
     out = {"kind": kind, "tokens": tokens, "params": param_count(m)}
     if kind == "train":
-        fwd_model = tokens * (dense_flops_per_token(m) + attn_flops_per_token(m, (seq + 1) / 2))
-        out["model_flops"] = 3 * fwd_model
-        out["hw_flops"] = (4 if m.remat_policy != "none" else 3) * fwd_model
+        out["model_flops"] = tokens * train_flops_per_token(m, seq)
+        out["hw_flops"] = out["model_flops"] * (4 / 3 if m.remat_policy != "none" else 1.0)
     elif kind == "prefill":
         dense = tokens * dense_flops_per_token(m, with_head=False) + rows * 2.0 * m.hidden_size * m.vocab_size
         out["model_flops"] = dense + tokens * attn_flops_per_token(m, (seq + 1) / 2)

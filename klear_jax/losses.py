@@ -27,7 +27,7 @@ Dr.GRPO: 1/(B*L) with a constant L (``norm_length``, required). Rows with an emp
 (micro-batch padding) contribute nothing to any sum or denominator.
 
 Per-token policy losses (minimised; r = exp(logp - old_logp), A the advantage, F the
-gradient factor of PAPER.md section 2 so that d loss_t / d logp_t = -A * F):
+gradient factor of the paper (arXiv 2508.07629) section 2 so that d loss_t / d logp_t = -A * F):
 
 * ``gppo``      Eq. 11 (GPPO), general form: the clipped branches are beta1*(1-eps_low)
                 (A<0, r<1-eps_low) and beta2*(1+eps_high) (A>0, r>1+eps_high) in value and
@@ -56,6 +56,7 @@ their logp / old_logp hold NaN or Inf. The mask is treated as boolean (mask > 0)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping, NamedTuple
 
 import jax
@@ -63,7 +64,6 @@ import jax.numpy as jnp
 
 LOG_RATIO_CLAMP = 20.0
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_TYPES = ("k1", "k2", "k3")
 # (eps_low, eps_high) used when the caller passes None; GSPO's come from the GSPO paper.
 DEFAULT_EPS = {"gppo": (0.2, 0.28), "gppo_high": (0.2, 0.28), "clip": (0.2, 0.28),
                "cispo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "pg": (0.2, 0.28)}
@@ -262,50 +262,57 @@ def _as_2d(name: str, x, shape=None) -> jax.Array:
     return x.astype(jnp.float32)
 
 
-def _kl_estimate(logp, ref_logp, kl_type: str):
-    """Estimator of KL(pi || pi_ref) per token, samples from pi: k1, k2 or k3 (Schulman)."""
-    d = jnp.clip(logp - ref_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if kl_type == "k1":
-        return d
-    if kl_type == "k2":
-        return 0.5 * d * d
-    return jnp.exp(-d) - 1.0 + d
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """The settings of a policy loss, built once (from a config) and passed whole.
+
+    kind: a key of POLICY_LOSSES; eps_low / eps_high None -> DEFAULT_EPS[kind]; beta1 /
+    beta2: GPPO-general scales of the clipped branches; dual_clip: None (off) or c > 1;
+    agg / norm_length: the aggregation (module table)."""
+
+    kind: str = "gppo"
+    eps_low: float | None = None
+    eps_high: float | None = None
+    beta1: float = 1.0
+    beta2: float = 1.0
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    norm_length: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in POLICY_LOSSES:
+            raise ValueError(f"losses: unknown policy loss kind {self.kind!r}; allowed: "
+                             f"{', '.join(POLICY_LOSSES)}")
+        _check_agg(self.agg, self.norm_length)
+        d_low, d_high = DEFAULT_EPS[self.kind]
+        if self.eps_low is None:
+            object.__setattr__(self, "eps_low", d_low)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", d_high)
+        if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
+            raise ValueError(f"losses: need 0 <= eps_low < 1 and eps_high >= 0, got "
+                             f"{self.eps_low}, {self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"losses: dual_clip must be > 1 (it caps A<0 tokens at ratio c), "
+                             f"got {self.dual_clip}")
 
 
-def policy_loss_terms(logp, old_logp, advantages, mask, kind: str = "gppo", eps_low=None,
-                      eps_high=None, beta1: float = 1.0, beta2: float = 1.0, dual_clip=None,
-                      agg: str = "token-mean", norm_length=None, ref_logp=None,
-                      kl_coef: float = 0.0, kl_type: str = "k3", entropy=None,
-                      entropy_coef: float = 0.0):
+def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None = None, **kw):
     """(loss_sum, denom, metric_sums) of a policy loss; see the module docstring.
 
-    logp, old_logp, mask: [B, T]; advantages: [B] or [B, T]. eps_low / eps_high None ->
-    DEFAULT_EPS[kind]. Optional terms share ``agg`` and the denominator, per token:
-    + kl_coef * KL_est(logp, ref_logp [B, T]) (kl_type k1/k2/k3) - entropy_coef * entropy [B, T].
-    Metric sums (token sums unless noted): tokens, clipfrac_low, clipfrac_high,
-    dual_clipfrac (if dual_clip), ratio_mean, ratio_min/ratio_max (min/max),
-    approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) - log r), kl_ref, entropy, and
-    pg_loss (policy part alone, summed under agg: finalised with the loss's denominator).
-    Combine with combine_metric_sums / reduce_metric_sums, finish with finalize_metrics.
+    logp, old_logp, mask: [B, T]; advantages: [B] or [B, T]. ``loss``: the settings, or
+    PolicyLoss's fields as keywords. Metric sums (token sums unless noted): tokens,
+    clipfrac_low, clipfrac_high, dual_clipfrac (if dual_clip), ratio_mean,
+    ratio_min/ratio_max (min/max), approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) -
+    log r) and pg_loss (summed under agg: finalised with the loss's denominator). Combine
+    with combine_metric_sums / reduce_metric_sums, finish with finalize_metrics.
     """
-    if kind not in POLICY_LOSSES:
-        raise ValueError(f"losses: unknown policy loss kind {kind!r}; allowed: "
-                         f"{', '.join(POLICY_LOSSES)}")
-    _check_agg(agg, norm_length)
-    d_low, d_high = DEFAULT_EPS[kind]
-    eps_low = d_low if eps_low is None else eps_low
-    eps_high = d_high if eps_high is None else eps_high
-    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
-        raise ValueError(f"losses: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"losses: dual_clip must be > 1 (it caps A<0 tokens at ratio c), got {dual_clip}")
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"losses: unknown kl_type {kl_type!r}; allowed: {', '.join(KL_TYPES)}")
-    if kl_coef and ref_logp is None:
-        raise ValueError("losses: kl_coef != 0 needs ref_logp [B, T]")
-    if entropy_coef and entropy is None:
-        raise ValueError("losses: entropy_coef != 0 needs entropy [B, T]")
-
+    if loss is None:
+        unknown = sorted(set(kw) - {f.name for f in dataclasses.fields(PolicyLoss)})
+        if unknown:
+            raise ValueError(f"losses: unknown options {unknown}; allowed: "
+                             f"{', '.join(f.name for f in dataclasses.fields(PolicyLoss))}")
+    cfg = loss if loss is not None else PolicyLoss(**kw)
     logp = _as_2d("logp", logp)
     shape = logp.shape
     old_logp = _as_2d("old_logp", old_logp, shape)
@@ -321,16 +328,17 @@ def policy_loss_terms(logp, old_logp, advantages, mask, kind: str = "gppo", eps_
     adv = sg(jnp.where(m, adv, 0.0))
     log_ratio = sg(jnp.clip(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     ctx = _Ctx(logp, log_ratio, jnp.exp(logp - sg(logp)), adv, m,
-               float(eps_low), float(eps_high), float(beta1), float(beta2))
-    terms = POLICY_LOSSES[kind](ctx)
+               float(cfg.eps_low), float(cfg.eps_high), float(cfg.beta1), float(cfg.beta2))
+    terms = POLICY_LOSSES[cfg.kind](ctx)
 
-    loss = terms.loss
-    if dual_clip is not None:
-        dual = (adv < 0) & (terms.ratio > dual_clip)
-        if kind in RATIO_VALUED:
-            loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip * adv), loss)
+    per_token = terms.loss
+    c = cfg.dual_clip
+    if c is not None:
+        dual = (adv < 0) & (terms.ratio > c)
+        if cfg.kind in RATIO_VALUED:
+            per_token = jnp.where(adv < 0, jnp.minimum(per_token, -c * adv), per_token)
         else:
-            loss = jnp.where(dual, sg(loss), loss)
+            per_token = jnp.where(dual, sg(per_token), per_token)
     mf = m.astype(jnp.float32)
     r_val = jnp.exp(log_ratio)
     sums = {
@@ -342,44 +350,23 @@ def policy_loss_terms(logp, old_logp, advantages, mask, kind: str = "gppo", eps_
         "ratio_max": jnp.max(jnp.where(m, r_val, -jnp.inf)),
         "approx_kl": jnp.sum(((r_val - 1.0) - log_ratio) * mf),
     }
-    if dual_clip is not None:
+    if c is not None:
         sums["dual_clipfrac"] = jnp.sum(dual * mf)
-    sums["pg_loss"] = aggregate_terms(sg(loss), m, agg, norm_length)[0]
-    if ref_logp is not None:
-        ref = sg(jnp.where(m, _as_2d("ref_logp", ref_logp, shape), 0.0))
-        kl = _kl_estimate(logp, ref, kl_type)
-        loss = loss + kl_coef * kl
-        sums["kl_ref"] = jnp.sum(jnp.where(m, sg(kl), 0.0))
-    if entropy is not None:
-        ent = jnp.where(m, _as_2d("entropy", entropy, shape), 0.0)
-        loss = loss - entropy_coef * ent
-        sums["entropy"] = jnp.sum(sg(ent))
-    loss_sum, denom = aggregate_terms(loss, m, agg, norm_length)
+    loss_sum, denom = aggregate_terms(per_token, m, cfg.agg, cfg.norm_length)
+    sums["pg_loss"] = sg(loss_sum)
     return loss_sum, denom, sums
 
 
-def policy_loss(logp, old_logp, advantages, mask, kind: str = "gppo", eps_low=None,
-                eps_high=None, beta1: float = 1.0, beta2: float = 1.0, dual_clip=None,
-                agg: str = "token-mean", **extras):
+def policy_loss(logp, old_logp, advantages, mask, sft_alpha: float = 0.0, positive=None, **kw):
     """Scalar policy loss to MINIMISE for this batch alone, and finalised metrics.
 
-    Same arguments as :func:`policy_loss_terms`; ``extras`` are its keyword options
-    (norm_length, ref_logp, kl_coef, kl_type, entropy, entropy_coef) plus the positive-sample
-    SFT term: ``sft_alpha`` (float, default 0) and ``positive`` ([B] bool/weights: responses
-    with the maximum reward), adding sft_alpha * NLL token-mean over those responses.
+    ``kw``: PolicyLoss fields. The positive-sample SFT term: ``sft_alpha`` and ``positive``
+    ([B] bool/weights: responses with the maximum reward) add sft_alpha * NLL token-mean
+    over those responses.
     """
-    sft_alpha = extras.pop("sft_alpha", 0.0)
-    positive = extras.pop("positive", None)
-    allowed = ("norm_length", "ref_logp", "kl_coef", "kl_type", "entropy", "entropy_coef")
-    unknown = sorted(set(extras) - set(allowed))
-    if unknown:
-        raise ValueError(f"losses.policy_loss: unknown options {unknown}; allowed: "
-                         f"{', '.join(allowed + ('sft_alpha', 'positive'))}")
     if sft_alpha and positive is None:
         raise ValueError("losses.policy_loss: sft_alpha != 0 needs positive [B]")
-    loss_sum, denom, sums = policy_loss_terms(
-        logp, old_logp, advantages, mask, kind, eps_low, eps_high, beta1, beta2, dual_clip,
-        agg, **extras)
+    loss_sum, denom, sums = policy_loss_terms(logp, old_logp, advantages, mask, **kw)
     loss = finalize(loss_sum, denom)
     metrics = finalize_metrics(sums, denom)
     if positive is not None:

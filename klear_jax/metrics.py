@@ -13,12 +13,13 @@ import sys
 import time
 from typing import Any, Mapping
 
+import jax
 import numpy as np
+from tensorboardX import SummaryWriter
 
 
 def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Device scalars -> Python floats (one host sync for the whole dict)."""
-    import jax
     host = jax.device_get(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in host.items()}
 
@@ -33,7 +34,6 @@ class MetricWriter:
     def __init__(self, workdir: str, start_step: int = 0, enabled: bool | None = None,
                  tensorboard: bool = True):
         if enabled is None:
-            import jax
             enabled = jax.process_index() == 0
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
@@ -44,7 +44,6 @@ class MetricWriter:
         _truncate_jsonl(self.path, start_step)
         self._file = open(self.path, "a")
         if tensorboard:
-            from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -93,7 +92,6 @@ class ProgressBar:
     def __init__(self, total_steps: int, start_step: int = 0, stream=None,
                  enabled: bool | None = None):
         if enabled is None:
-            import jax
             enabled = jax.process_index() == 0
         self.enabled = enabled
         self.total, self.start = total_steps, start_step

@@ -45,6 +45,7 @@ between batch shapes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Sequence
@@ -126,13 +127,6 @@ class SampleOutput:
             "old_logprobs": np.concatenate([np.zeros((N, P), np.float32),
                                             np.where(resp, self.logprobs, 0.0)], 1),
         }
-
-
-def _to_host(x) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +301,7 @@ class Sampler:
                     stop_ids=jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
         prefill, decode = self._functions(st)
         self.compiled_shapes.add((st, Bp * n, P))
-        ctx = shd.use_mesh(self.mesh) if self.mesh is not None else _nullctx()
+        ctx = shd.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
         with ctx:
             args_p = (self._put(ids, row2), self._put(seg, row2), self._put(valid, row))
             args_k = (self._put(phash, row), self._put(sid, row))
@@ -320,8 +314,8 @@ class Sampler:
         self.last_decode_steps = int(final["step"])  # < max_new_tokens after an early exit
         del final
         N = npr * n
-        tokens, logprobs, lengths = (_to_host(x)[:N] for x in (tokens, logprobs, lengths))
-        stopped = _to_host(done)[:N]  # valid rows are done only via a stop token
+        tokens, logprobs, lengths = (shd.to_host(x)[:N] for x in (tokens, logprobs, lengths))
+        stopped = shd.to_host(done)[:N]  # valid rows are done only via a stop token
         t2 = time.perf_counter()
         # Wall times of the last call (compilation included on a shape's first call):
         # ttft_s = host prep + prefill + first token; decode_s = the while_loop + host copy.
@@ -356,11 +350,3 @@ class Sampler:
             truncated=out.truncated & ~hit,
             stop_string_hit=hit | (out.stop_string_hit if out.stop_string_hit is not None
                                    else False))
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -20,7 +20,7 @@ keyed by term, ``loss_weights`` weights them, and each micro-batch contributes
 
 A non-finite loss or gradient norm, or an empty batch (denominator 0), skips the update:
 params and optimizer state are kept, ``metrics["skipped"] = 1``; the host loop counts
-consecutive skips (see ``SkipGuard``).
+consecutive skips (``klear_jax.trainer.SkipGuard``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from klear_jax import losses
+from klear_jax import backend, losses
 from klear_jax import sharding as shd
-from klear_jax.optim import SkippingTransformation, opt_state_shardings
+from klear_jax.models import param_shardings
+from klear_jax.optim import opt_state_shardings
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[Any, Any, Mapping[str, jax.Array]]]
 
@@ -63,7 +64,6 @@ def merge_model(graphdef: nnx.GraphDef, params: Any) -> nnx.Module:
 
 def params_shardings(model: nnx.Module, mesh: Mesh) -> dict:
     """NamedSharding per parameter (pure dict), from the params' logical axis names."""
-    from klear_jax.models import param_shardings
     return param_shardings(model, mesh).to_pure_dict()
 
 
@@ -215,14 +215,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (tokens > 0)
         lr = schedule(_schedule_count(state.opt_state)) if schedule is not None else jnp.nan
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        if isinstance(optimizer, SkippingTransformation):  # skips inside its fused update
-            updates, new_opt = optimizer.update(grads, state.opt_state, state.params, ok=ok)
-            new_params = optax.apply_updates(state.params, updates)
-        else:
-            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-            new_params = keep(optax.apply_updates(state.params, updates), state.params)
-            new_opt = keep(new_opt, state.opt_state)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        new_params = keep(optax.apply_updates(state.params, updates), state.params)
+        new_opt = keep(new_opt, state.opt_state)
         skipped = (~ok).astype(jnp.int32)
         new_state = TrainState(step=state.step + 1, skipped=state.skipped + skipped,
                                params=new_params, opt_state=new_opt)
@@ -237,7 +233,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
     jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
                      out_shardings=(shardings, rep), donate_argnums=(0,) if donate else (),
-                     compiler_options=shd.training_compiler_options(mesh))
+                     compiler_options=backend.compiler_options(mesh))
 
     def run(state, batch):
         with shd.use_mesh(mesh):
@@ -249,38 +245,3 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
     run.jitted, run.lower = jitted, lower
     return run
-
-
-def make_sft_loss_fn(agg: str = "token-mean") -> LossFn:
-    """SFT loss_fn: NLL of the response tokens. Batch keys: input_ids, targets, loss_mask,
-    optional positions / segment_ids (packed rows), all [B, T]. Sequence-level aggs treat a
-    packed row as one sequence."""
-    losses.agg_denominator(jnp.zeros((1, 1)), agg)  # fail early on an unknown agg
-
-    def loss_fn(model, mb):
-        logp, _ = model.token_logprobs(mb["input_ids"], mb["targets"], mb.get("positions"),
-                                       mb.get("segment_ids"))
-        loss_sum, denom = losses.sft_loss_terms(logp, mb["loss_mask"], agg)
-        return loss_sum, denom, {}
-    return loss_fn
-
-
-class SkipGuard:
-    """Host-side: counts consecutive skipped steps; raises after ``max_consecutive``."""
-
-    def __init__(self, max_consecutive: int):
-        self.max_consecutive = max_consecutive
-        self.consecutive = 0
-
-    def update(self, step: int, skipped: int) -> bool:
-        """Returns True when this step was skipped; raises RuntimeError past the limit."""
-        if not skipped:
-            self.consecutive = 0
-            return False
-        self.consecutive += 1
-        if self.consecutive >= self.max_consecutive:
-            raise RuntimeError(
-                f"step {step}: {self.consecutive} consecutive steps had a non-finite loss or "
-                f"gradient (or no loss tokens) and were skipped; stopping "
-                f"(train.max_consecutive_skips = {self.max_consecutive})")
-        return True

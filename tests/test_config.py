@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from klear_jax import config_utils as cu
-from klear_jax.config_utils import ConfigError
+from klear_jax import config as cu
+from klear_jax.config import ConfigError
+from klear_jax.sft.config import validate_sft_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "sft_tiny.py")
@@ -21,10 +22,10 @@ def tiny(**over):
 
 
 def test_shipped_configs_validate():
-    cu.validate_sft_config(tiny(), num_devices=8)
+    validate_sft_config(tiny(), num_devices=8)
     big = cu.load_config(BIG + ":chips=32")
     big.workdir, big.init.path, big.data.name = "gs://b/w", "gs://b/hf", "klear_sft"
-    cu.validate_sft_config(big, num_devices=32)
+    validate_sft_config(big, num_devices=32)
     assert big.optim.lr == 8e-5 and big.optim.end_lr == 4e-5 and big.data.num_epochs == 4
     assert big.train.seq_len == 32768 and big.mesh.fsdp == 32
 
@@ -66,7 +67,7 @@ def test_unknown_key_names_it(override, key):
 ])
 def test_bad_values_name_the_key(over, key):
     with pytest.raises(ConfigError) as e:
-        cu.validate_sft_config(tiny(**over), num_devices=8)
+        validate_sft_config(tiny(**over), num_devices=8)
     assert e.value.key == key, str(e.value)
     assert repr(key) in str(e.value)
 
@@ -74,7 +75,7 @@ def test_bad_values_name_the_key(over, key):
 def test_mesh_product_mismatch():
     c = tiny(**{"mesh.fsdp": 2, "mesh.tensor": 2})
     with pytest.raises(ConfigError, match="4 but there are 8 devices"):
-        cu.validate_sft_config(c, num_devices=8)
+        validate_sft_config(c, num_devices=8)
 
 
 def test_type_mismatch_names_key():

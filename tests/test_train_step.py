@@ -5,7 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from klear_jax import losses, optim, sharding as shd, train_step as ts
+from klear_jax import backend, losses, optim, sharding as shd, train_step as ts
+from klear_jax.trainer import SkipGuard
 from klear_jax.models import ModelConfig, create_model
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -116,7 +117,7 @@ def test_nonfinite_skips_update_and_guard_stops(mesh8):
     state, m = step(state, good)  # recovers
     assert m["skipped"] == 0 and np.isfinite(m["loss"])
 
-    guard = ts.SkipGuard(max_consecutive=3)
+    guard = SkipGuard(max_consecutive=3)
     assert guard.update(1, 1) and guard.update(2, 1)
     assert not guard.update(3, 0)
     guard.update(4, 1), guard.update(5, 1)
@@ -244,9 +245,9 @@ def test_cpu_train_step_leaves_dots_to_eigen(mesh8):
     YNNPACK, with their elementwise producers fused in."""
     import re
     from klear_jax.aot import parse_topology, topology_devices
-    assert shd.training_compiler_options(mesh8) == shd.CPU_TRAINING_COMPILER_OPTIONS
+    assert backend.compiler_options(mesh8) == backend.CPU_TRAINING_COMPILER_OPTIONS
     tpu_mesh = shd.make_mesh(fsdp=8, devices=topology_devices(parse_topology("v5p:2x2x2")))
-    assert shd.training_compiler_options(tpu_mesh) is None
+    assert backend.compiler_options(tpu_mesh) is None
     state, step = setup(mesh8, 1, SGD)
     hlo = step.lower(state, make_batch()).compile().as_text()
     ynn_bodies = re.findall(r"kind=kCustom, calls=%([\w.\-]+)[^\n]*__ynn_fusion", hlo)
