@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import jax  # noqa: E402
 
-from klear_jax import bench_workloads as bw  # noqa: E402
+from klear_jax.bench import workloads as bw  # noqa: E402
 
 _DEF = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*?op_name=\"([^\"]+)\"")
 

@@ -1,6 +1,6 @@
-"""Curating a long-CoT SFT set the Klear way (PAPER.md sections 4 and 7).
+"""Curating a long-CoT SFT set the Klear way (arXiv 2508.07629, sections 4 and 7).
 
-    python -m klear_jax.data.curate --config=configs/curate_example.py:root=/data/raw \
+    python -m klear_jax.curate --config=configs/curate_example.py:root=/data/raw \
         --config.output.dir=/data/curated --config.output.tokenizer=/models/tok
 
 Files expected under ROOT (HF-style JSONL or Parquet; see klear_jax/data/records.py):
@@ -15,12 +15,12 @@ from k precomputed `samples` per problem, or with `:kind=rl_math,ref=/ckpt/sft_m
 samples per problem drawn here from that reference checkpoint (Orbax or HF dir; its
 tokenizer, or set pass_rate.model.tokenizer) with the project's sampler and math reward.
 """
-from klear_jax import config_utils
-from klear_jax.data.curate import curate_base, source
+from klear_jax import config as C
+from klear_jax.curate import curate_base, source
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, root="data/raw", kind="sft", ref="")
+    a = C.parse_arg(arg, root="data/raw", kind="sft", ref="")
     c = curate_base()
     c.kind = a.kind
     c.seed = 0

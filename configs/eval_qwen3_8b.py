@@ -1,4 +1,4 @@
-"""The paper's evaluation protocol (PAPER.md section 8) for a Qwen3-8B-sized checkpoint.
+"""The paper's evaluation protocol (arXiv 2508.07629, section 8) for a Qwen3-8B-sized checkpoint.
 
 avg pass@1 with temperature 0.6, top_p 0.95, top_k 20, repetition penalty 1.05, up to
 64K response tokens with YaRN (factor 2.5 over 32768 original positions): 64 samples per
@@ -17,12 +17,12 @@ row. A sampler call has batch_prompts x samples_per_call rows (4 x 16 = 64 here,
 smaller slices. Variant ``:max_new=32768`` turns the budget (and YaRN) down.
 """
 
-from klear_jax import config_utils
-from klear_jax import eval_config as ec
+from klear_jax import config as C
+from klear_jax.eval import config as ec
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, max_new=65536, aime_k=64, lcb_k=8)
+    a = C.parse_arg(arg, max_new=65536, aime_k=64, lcb_k=8)
     c = ec.eval_base()
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.model.update(dtype="bfloat16", param_dtype="bfloat16", attention_impl="xla")

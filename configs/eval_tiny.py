@@ -8,12 +8,12 @@ Variants: ``configs/eval_tiny.py:k=8,max_new=128`` (k samples per problem for th
 sampled settings; greedy always takes 1). A benchmark whose path is "" is skipped.
 """
 
-from klear_jax import config_utils
-from klear_jax import eval_config as ec
+from klear_jax import config as C
+from klear_jax.eval import config as ec
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, k=4, max_new=64, prompt_len=128)
+    a = C.parse_arg(arg, k=4, max_new=64, prompt_len=128)
     c = ec.eval_base()
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.model.update(dtype="float32", param_dtype="float32")

@@ -1,7 +1,7 @@
 """The paper's code RL stage (GPPO) of Klear-Reasoner-8B on a TPU v5p-64 slice, starting
 from the math RL checkpoint (or the SFT one).
 
-Same as ``gppo_math_qwen3_8b.py`` except (PAPER.md section 6): lr 5e-7; mini-batches of 32
+Same as ``gppo_math_qwen3_8b.py`` except (paper section 6): lr 5e-7; mini-batches of 32
 prompts (4 updates per step); soft code reward = fraction of up to 16 tests passed, each
 run in the bubblewrap sandbox with the paper's 35 s timeout.
 

@@ -1,7 +1,7 @@
 """The paper's math RL stage (GPPO) of Klear-Reasoner-8B on a TPU v5p-64 slice (32 chips,
 megacore: one JAX device per chip), starting from the SFT checkpoint.
 
-Paper settings (PAPER.md sections 2-6): 128 prompts x 8 responses per step, over-generated
+Paper settings (arXiv 2508.07629, sections 2-6): 128 prompts x 8 responses per step, over-generated
 from 256 prompts so zero-advantage groups can be dropped; mini-batches of 16 prompts (8
 updates per step); lr 1e-6 constant after 10 warmup steps; AdamW(0.9, 0.999), wd 0.1,
 clip 1.0; GPPO eps 0.2 / 0.28, dual clip 10, beta1 = beta2 = 1; SFT term alpha 0.1 on
@@ -15,20 +15,20 @@ Variants: ``:chips=N`` (devices), ``:tensor=N`` (tensor-parallel ways; v6e-64 us
 ``:chips=64,tensor=4``), ``:steps=N``.
 """
 
-from klear_jax import config_utils
-from klear_jax import rl_config
+from klear_jax import config as C
+from klear_jax.rl.config import rl_base
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, chips=32, steps=500, tensor=1)
+    a = C.parse_arg(arg, chips=32, steps=500, tensor=1)
     shards = a.chips // a.tensor  # data x fsdp: rows are split over these
-    c = rl_config.rl_base()
+    c = rl_base()
     c.seed = 0
     # v5p-64: pure FSDP over 32 chips. v6e-64 (32 GB/chip): ``:chips=64,tensor=4`` also splits
     # heads / MLP / the KV cache's kv heads 4 ways (measured by klear_jax.aot, docs/aot.md).
     c.mesh = dict(data=1, fsdp=shards, tensor=a.tensor)
     c.init = dict(source="orbax", path="", step=-1)  # the SFT run's checkpoints
-    c.model.update(config_utils.MODEL_PRESETS["qwen3_8b"])
+    c.model.update(C.MODEL_PRESETS["qwen3_8b"])
     c.data.update(split="train", shuffle=True, num_epochs=0)
     # One prompt per batch shard per sampler call (the sampler pads prompts to a multiple of
     # data x fsdp): 8 responses x 36.8K tokens x 147 KB/token (bf16 KV) = 43 GB per shard,

@@ -8,16 +8,16 @@ Over-generates 8 -> 4 groups of 8, two mini-batch updates per step; 8 devices sp
 16-row mini-batch (tests run with 8 fake CPU devices).
 """
 
-from klear_jax import config_utils
-from klear_jax import rl_config
+from klear_jax import config as C
+from klear_jax.rl.config import rl_base
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, vocab=256, steps=4)
-    c = rl_config.rl_base()
+    a = C.parse_arg(arg, vocab=256, steps=4)
+    c = rl_base()
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
-    c.model.update(config_utils.MODEL_PRESETS["tiny"], vocab_size=a.vocab)
+    c.model.update(C.MODEL_PRESETS["tiny"], vocab_size=a.vocab)
     c.data.update(num_epochs=0)
     c.rollout.update(prompts_per_step=8, group_size=8, temperature=1.0, top_p=1.0,
                      max_prompt_len=64, max_new_tokens=32, sample_chunk_prompts=0)

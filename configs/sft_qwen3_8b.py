@@ -3,7 +3,8 @@
 
 Paper settings: lr 8e-5 cosine-decayed to 4e-5, 4 epochs, 32K-token packed rows; AdamW
 (0.9, 0.999), weight decay 0.1, global-norm clipping 1.0. Master weights float32, compute
-bfloat16, full remat, splash attention (XLA attention does not fit at 32K; see DESIGN.md).
+bfloat16, full remat, fused attention ("auto": splash on TPU; XLA attention does not fit
+at 32K, docs/aot.md).
 
     python -m klear_jax.sft --config=configs/sft_qwen3_8b.py --config.workdir=gs://b/sft \
         --config.init.path=gs://b/Qwen3-8B-Base --config.data.dir=gs://b/tfds --config.data.name=klear_sft
@@ -11,19 +12,20 @@ Variants: ``:chips=64`` (devices of the slice), ``:steps=N`` (set from dataset s
 epochs / batch), ``:batch=N`` rows per step.
 """
 
-from klear_jax import config_utils
+from klear_jax import config as C
+from klear_jax.sft.config import sft_base
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, chips=32, steps=2000, batch=64, seq_len=32768)
-    c = config_utils.sft_base()
+    a = C.parse_arg(arg, chips=32, steps=2000, batch=64, seq_len=32768)
+    c = sft_base()
     c.seed = 0
     # v5p-64 = 32 chips (megacore: one JAX device per chip). Pure FSDP: 8B params + Adam
     # states (16 B/param f32) = 128 GB spread over 32 chips = 4 GB each.
     c.mesh = dict(data=1, fsdp=a.chips, tensor=1)
     c.init = dict(source="hf", path="", step=-1)
     # Qwen3-8B architecture (overridden by the checkpoint's config.json for init=hf/orbax).
-    c.model.update(config_utils.MODEL_PRESETS["qwen3_8b"])
+    c.model.update(C.MODEL_PRESETS["qwen3_8b"])
     c.data.update(split="train", num_epochs=4, overlong="truncate", num_packing_bins=128)
     # One 32K row per chip per micro-batch (v5p-64: 2 micro-batches; v6e-64, chips=64: 1):
     # measured by klear_jax.aot, see docs/aot.md.

@@ -5,15 +5,16 @@
 Variant: ``configs/sft_tiny.py:vocab=512`` (vocab must match the tokenizer).
 """
 
-from klear_jax import config_utils
+from klear_jax import config as C
+from klear_jax.sft.config import sft_base
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, vocab=256, steps=20)
-    c = config_utils.sft_base()
+    a = C.parse_arg(arg, vocab=256, steps=20)
+    c = sft_base()
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
-    c.model.update(config_utils.MODEL_PRESETS["tiny"], vocab_size=a.vocab)
+    c.model.update(C.MODEL_PRESETS["tiny"], vocab_size=a.vocab)
     c.data.update(num_epochs=0)  # repeat: tiny generated sets are a few steps long
     c.train.update(total_steps=a.steps, batch_size=16, seq_len=64, num_microbatches=2,
                    max_consecutive_skips=3, log_every=1)

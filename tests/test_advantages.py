@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klear_jax.advantages import grpo_advantages, group_filter_mask, max_reward_mask, rloo_advantages
+from klear_jax.rl.batch import grpo_advantages, group_filter_mask, rloo_advantages
 
 REWARDS = np.array([[1.0, -1.0, -1.0, 1.0],
                     [1.0, 1.0, 1.0, 1.0],
@@ -37,11 +37,10 @@ def test_rloo_known_values():
     np.testing.assert_allclose(a[1], [3 - 5 / 3, 1 - 7 / 3, 0, 0], rtol=1e-6, atol=1e-7)
 
 
-def test_group_filter_and_max_reward():
+def test_group_filter():
     np.testing.assert_array_equal(group_filter_mask(REWARDS), [True, False, True])
     np.testing.assert_array_equal(group_filter_mask([[1, 1], [0, 1]]), [False, True])
     np.testing.assert_array_equal(group_filter_mask([[0.0, 1e-9]], atol=1e-6), [False])
-    np.testing.assert_array_equal(max_reward_mask(REWARDS, 1.0)[2], [False, False, True, False])
 
 
 def test_jax_arrays_and_jit_match_numpy():

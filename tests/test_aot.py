@@ -8,7 +8,7 @@ import math
 import pytest
 
 from klear_jax import aot
-from klear_jax.aot_flops import analytical_flops, param_count, roofline
+from klear_jax.flops import analytical_flops, param_count, roofline
 from klear_jax.models import ModelConfig
 
 pytestmark = pytest.mark.skipif(not aot.libtpu_available(),
@@ -72,7 +72,7 @@ def test_sampler_decode_compiles_for_v5p():
 def test_splash_compiles_as_tpu_kernel():
     """The splash path lowers to a Mosaic custom call, not interpret-mode HLO."""
     import jax
-    from klear_jax import config_utils, sharding as shd
+    from klear_jax import config as config_utils, sharding as shd
     cfg = config_utils.load_config("configs/sft_tiny.py")
     config_utils.apply_overrides(cfg, SMALL + ["model.attention_impl=splash"])
     mesh = shd.mesh_from_config(cfg.mesh, aot.topology_devices(aot.parse_topology(TOPO)))

@@ -8,7 +8,9 @@ import statistics
 import numpy as np
 import pytest
 
-from klear_jax import bench
+from klear_jax.bench import driver as bench
+from klear_jax.bench import measure, workloads
+from klear_jax.flops import train_flops_per_token
 
 
 def _pos(x):
@@ -30,19 +32,19 @@ def _run(tmp_path, workloads):
 
 
 def test_train_flops_per_token_bench_small():
-    cfg = bench.model_config()
+    cfg = workloads.model_config()
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.intermediate_size) == (32000, 512, 8, 8, 4, 64, 1536)
     n_layers = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536)  # q,o + k,v + mlp
     expect = 3 * (2 * n_layers + 2 * 512 * 32000 + 8 * 4 * 512 * 512 / 2)
-    assert bench.train_flops_per_token(cfg, 512) == pytest.approx(expect)
+    assert train_flops_per_token(cfg, 512) == pytest.approx(expect)
     # attention FLOPs grow with the row length, the rest does not
-    assert bench.train_flops_per_token(cfg, 2048) > bench.train_flops_per_token(cfg, 512)
+    assert train_flops_per_token(cfg, 2048) > train_flops_per_token(cfg, 512)
 
 
 def test_rl_batch_layout():
-    cfg = bench.model_config(quick=True)
-    b = bench.rl_batch(cfg, 4, 16)
+    cfg = workloads.model_config(quick=True)
+    b = workloads.rl_batch(cfg, 4, 16)
     for k in ("input_ids", "targets", "loss_mask", "segment_ids", "sampler_logp"):
         assert b[k].shape == (4, 16), k
     np.testing.assert_array_equal(b["input_ids"][:, 1:], b["targets"][:, :-1])
@@ -69,7 +71,7 @@ def test_ratios_and_targets():
 
 
 def test_rounds_alternate_and_report_the_median_run():
-    assert bench.round_orders(["train", "reference"], 3) == [
+    assert measure.round_orders(["train", "reference"], 3) == [
         ["train", "reference"], ["reference", "train"], ["train", "reference"]]
     runs = [{"tokens_per_s": 5.0, "i": 0}, {"error": "x"}, {"tokens_per_s": 3.0, "i": 2},
             {"tokens_per_s": 9.0, "i": 3}, {"tokens_per_s": 4.0, "i": 4}]

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
-from klear_jax import config_utils
-from klear_jax.config_utils import ConfigError
-from klear_jax.data import curate as C
-from klear_jax.data import curate_label as L
-from klear_jax.data import curate_steps as S
+from klear_jax import config as config_utils
+from klear_jax.config import ConfigError
+from klear_jax.curate import label as L
+from klear_jax.curate import pipeline as C
+from klear_jax.curate import steps as S
+from klear_jax.curate.config import curate_base, source, validate_curate_config
 from klear_jax.data.records import RawRecord, RecordError
 from tests.data_fixtures import sample_text, tok_dir, write_jsonl  # noqa: F401
 
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cfg_for(tmp_path, sources, kind="sft", **blocks):
-    c = C.curate_base()
+    c = curate_base()
     c.kind = kind
     for name, s in sources.items():
         c.sources[name] = s
@@ -233,7 +234,7 @@ def test_config_errors_name_the_key(tmp_path, key, value, match):
         node = node[p]
     node[leaf] = value
     with pytest.raises(ConfigError, match=match):
-        C.validate_curate_config(c)
+        validate_curate_config(c)
 
 
 def test_unknown_key_fails_on_locked_config_and_in_validation(tmp_path):
@@ -245,14 +246,14 @@ def test_unknown_key_fails_on_locked_config_and_in_validation(tmp_path):
     d = ml_collections.ConfigDict(c.to_dict())
     d.dedup.colour = 1
     with pytest.raises(ConfigError, match=r"'dedup\.colour': unknown key"):
-        C.validate_curate_config(d)
+        validate_curate_config(d)
 
 
 def test_example_config_validates():
     for spec in ("configs/curate_example.py", "configs/curate_example.py:kind=rl_math"):
         c = config_utils.load_config(os.path.join(ROOT, spec))
         config_utils.apply_overrides(c, ["output.tokenizer=tok"])
-        C.validate_curate_config(c)
+        validate_curate_config(c)
 
 
 def test_end_to_end_config_file_to_tfds_and_report(tmp_path, tok_dir):  # noqa: F811
@@ -263,7 +264,7 @@ def test_end_to_end_config_file_to_tfds_and_report(tmp_path, tok_dir):  # noqa: 
     src = write_jsonl(tmp_path / "sft.jsonl", recs)
     cfg_file = tmp_path / "cfg.py"
     cfg_file.write_text(
-        "from klear_jax.data.curate import curate_base\n"
+        "from klear_jax.curate import curate_base\n"
         "def get_config():\n"
         "    c = curate_base()\n"
         f"    c.sources.main = dict(paths=[{src!r}], domain='math')\n"
@@ -285,14 +286,14 @@ def test_cli_runs_config_with_overrides(tmp_path):
     src = _many(tmp_path, "s", 5, "cli")
     cfg_file = tmp_path / "cfg.py"
     cfg_file.write_text(
-        "from klear_jax.data.curate import curate_base, source\n"
+        "from klear_jax.curate import curate_base, source\n"
         "def get_config():\n"
         "    c = curate_base()\n"
         f"    c.sources.s = source([{src!r}], 'math')\n"
         "    c.output.update(dir='unused', name='cli', tfds=False)\n"
         "    return c\n")
     out = tmp_path / "o"
-    base = [sys.executable, "-m", "klear_jax.data.curate", f"--config={cfg_file}", f"--config.output.dir={out}"]
+    base = [sys.executable, "-m", "klear_jax.curate", f"--config={cfg_file}", f"--config.output.dir={out}"]
     p = subprocess.run(base + ["--config.sources.s.cap=2"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert len(lines(out / "cli.curated.jsonl")) == 2 and (out / "cli_curate_report.md").exists()

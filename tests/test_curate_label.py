@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from klear_jax.data import curate as C
-from klear_jax.data import curate_label as L
+from klear_jax import curate as C
+from klear_jax.curate import label as L
+from klear_jax.rewards import CodeRewardConfig, MathRewardConfig, SandboxConfig
+from klear_jax.rewards.scorers import Scorers
 from klear_jax.data.records import RawRecord
 from tests.data_fixtures import write_jsonl
 
@@ -89,7 +91,8 @@ def test_rl_math_pass_rate_from_samples_and_band(tmp_path):
 
 
 def test_code_pass_rate_from_samples():
-    scorers = L.Scorers(True, 1, 5.0, 16, 2)
+    scorers = Scorers(MathRewardConfig(num_workers=1), CodeRewardConfig(
+        mode="soft", sandbox=SandboxConfig(timeout_s=5.0, max_tests=16, num_slots=2)))
     try:
         step = L.pass_rate_step(scorers, "samples", "pass_rate", "samples", batch_size=8)
         recs = [RawRecord("f", 1, {"domain": "code", "tests": DOUBLE,

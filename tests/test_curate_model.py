@@ -7,9 +7,11 @@ import os
 import pytest
 
 from data_fixtures import tok, tok_dir, write_jsonl  # noqa: F401  (fixtures)
-from klear_jax.config_utils import ConfigError
-from klear_jax.data import curate as C
-from klear_jax.data import curate_label as L
+from klear_jax import curate as C
+from klear_jax.config import ConfigError
+from klear_jax.curate.pipeline import model_samples
+from klear_jax.rewards import MathRewardConfig
+from klear_jax.rewards.scorers import Scorers
 
 K = 3
 MATH = [{"problem": f"What is {a} + {b}? the cat sat", "answer": str(a + b)}
@@ -63,16 +65,16 @@ def test_model_pass_rate_k_samples_deterministic(tmp_path, ref_ckpt, tok_dir, to
         assert 0.0 <= r["pass_rate"] <= 1.0 and r["pass_samples"] == K
         assert len(r["samples"]) == K and all(isinstance(s, str) for s in r["samples"])
     # the pass rate is the fraction of the k samples the math reward calls correct
-    scorers = L.Scorers(True, 1, 5.0, 16, 1)
+    scorers = Scorers(MathRewardConfig(num_workers=1))
     try:
         for r in out:
-            ok, _ = scorers.correct("math", r["samples"], [r["answer"]] * K)
+            ok = scorers.submit("math", r["samples"], [r["answer"]] * K)().correct
             assert r["pass_rate"] == sum(ok) / K
     finally:
         scorers.close()
     # the prompts are the RL data path's (prepare.rl_example with output.prompt_template):
     # the first batch re-sampled directly with the sampler and the same seed gives the same text
-    ms = C.model_samples(cfg(tmp_path, ref_ckpt, tok_dir))
+    ms = model_samples(cfg(tmp_path, ref_ckpt, tok_dir))
     from klear_jax.data.prepare import rl_example
     from klear_jax.data.records import rl_fields
     ids = [rl_example(tok, rl_fields(d, "rl_math"), None, "Solve: {problem}")[0]["prompt_ids"]

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-from klear_jax import demo, demo_tasks as dt
+from klear_jax import config as C
+from klear_jax import demo
+from klear_jax.demo import run as demo_run
+from klear_jax.demo import tasks as dt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,22 +71,21 @@ def test_missing_bwrap_fails_clearly(monkeypatch, tmp_path, capsys):
     assert demo.main(["--workdir", str(tmp_path / "w"), "--size", "tiny"]) == 2
     err = capsys.readouterr().err
     assert "bubblewrap" in err and "--allow_unsandboxed" in err
-    assert demo.check_sandbox(allow_unsandboxed=True) == "unsandboxed"
+    assert demo_run.check_sandbox(allow_unsandboxed=True) == "unsandboxed"
 
 
 @pytest.mark.parametrize("allow", [True, False])
 def test_run_rl_passes_allow_unsandboxed_to_the_code_rewards(monkeypatch, allow):
     """--allow_unsandboxed must reach the RL code scorer, not just the eval: without it the
     code RL stage of a run on a machine without bwrap died with SandboxUnavailable."""
-    from klear_jax import rl, rl_config
     seen = {}
 
     def fake_run(cfg):
-        seen["sandbox"] = rl_config.code_reward_config(cfg).sandbox
+        seen["sandbox"] = C.code_reward_config(cfg).sandbox
         return {"step": 0, "updates": 0, "stopped": "done"}
-    monkeypatch.setattr(rl, "run", fake_run)
+    monkeypatch.setattr(demo_run.rl, "run", fake_run)
     data = {"tfds": "/nonexistent/tfds", "tokenizer": "/nonexistent/tok"}
-    demo.run_rl("/tmp/unused", "rl_code", "/nonexistent/sft", data, "code", "tiny", 0, 1,
+    demo_run.run_rl("/tmp/unused", "rl_code", "/nonexistent/sft", data, "code", "tiny", 0, 1,
                 ("optim.lr=2e-4",), allow_unsandboxed=allow)
     assert seen["sandbox"].allow_unsandboxed is allow
 

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from data_fixtures import tok, tok_dir, write_jsonl  # noqa: F401  (fixtures)
-from klear_jax import config_utils as cu
+from klear_jax import config as cu
 from klear_jax import eval as ev
-from klear_jax import eval_config as ec
-from klear_jax import eval_metrics as em
+from klear_jax import policy
+from klear_jax.eval import config as ec
+from klear_jax.eval import metrics as em
+from klear_jax.rewards.scorers import Scorers
 from klear_jax.data.records import RecordError
 
 MATH = [{"problem": "What is 2 + 3?", "answer": "5"},
@@ -62,23 +64,25 @@ def test_summarize_hand_computed():
 # ------------------------------------------------------------------------------ scoring
 def test_correct_means_full_reward():
     from klear_jax.rewards import CodeRewardConfig, SandboxConfig
-    sc = ev._Scorers(None, CodeRewardConfig(mode="all_or_nothing",  # forced back to soft
-                                            sandbox=SandboxConfig(timeout_s=5, num_slots=2)))
+    eval_code = ec.code_reward_config(cu.load_config("configs/eval_tiny.py"))
+    assert eval_code.mode == "soft"  # eval always scores code softly
+    sc = Scorers(None, CodeRewardConfig(mode="soft",
+                                        sandbox=SandboxConfig(timeout_s=5, num_slots=2)))
     try:
-        p = ev.Problem("a", 1, [1], "5", None)
-        r, ok, soft = sc.submit("math", ["<think>x</think> \\boxed{5}", "<think>x</think> 6",
-                                         "\\boxed{5}"], [p, p, p])()
+        s = sc.submit("math", ["<think>x</think> \\boxed{5}", "<think>x</think> 6",
+                               "\\boxed{5}"], ["5"] * 3)()
+        r, ok, soft = s.rewards, s.correct, s.pass_rate
         assert ok.tolist() == [True, False, False] and soft.tolist() == [1, 0, 0]
         assert r.tolist() == [1.0, -1.0, -2.0]  # format penalty: no <think>
         tests = {"inputs": ["1\n", "2\n"], "outputs": ["2\n", "5\n"]}
-        q = ev.Problem("b", 1, [1], "", tests)
         prog = "<think>x</think>\n```python\n{}\n```"
-        r, ok, soft = sc.submit("code", [prog.format("print(2 * int(input()))"),
-                                         prog.format("print(0)"), "<think>x</think> no code"],
-                                [q] * 3)()
+        s = sc.submit("code", [prog.format("print(2 * int(input()))"),
+                               prog.format("print(0)"), "<think>x</think> no code"], [tests] * 3)()
+        r, ok, soft = s.rewards, s.correct, s.pass_rate
         assert soft.tolist() == [0.5, 0.0, 0.0] and not ok.any() and r[2] == -1.0
-        r, ok, soft = sc.submit("code", ["<think>x</think>\n```python\nn = int(input())\n"
-                                         "print(2 * n + (n == 2))\n```"], [q])()
+        s = sc.submit("code", ["<think>x</think>\n```python\nn = int(input())\n"
+                               "print(2 * n + (n == 2))\n```"], [tests])()
+        r, ok, soft = s.rewards, s.correct, s.pass_rate
         assert ok.tolist() == [True] and soft.tolist() == [1.0]
     finally:
         sc.close()
@@ -241,10 +245,10 @@ def test_cli_hf_dir_on_a_mesh_matches_orbax_greedy(saved, orbax_eval, tmp_path):
 def test_yarn_override_at_load(saved):
     p = cu.apply_overrides(cu.load_config("configs/eval_tiny.py"), [
         "model.rope_scaling_factor=2.0", "model.original_max_position_embeddings=128"])
-    m = ev.load_model(str(saved / "orbax"), None, -1, **ec.model_overrides(p))
+    m = policy.load_model(str(saved / "orbax"), None, -1, **ec.model_overrides(p))
     assert dict(m.config.rope_scaling) == {"factor": 2.0, "original_max_position_embeddings": 128}
     assert m.config.max_position_embeddings == 256
-    h = ev.load_model(str(saved / "hf"), None, -1, **ec.model_overrides(p))
+    h = policy.load_model(str(saved / "hf"), None, -1, **ec.model_overrides(p))
     assert h.config.rope_scaling == m.config.rope_scaling
 
 
@@ -257,7 +261,7 @@ def test_tokenizer_from_the_saved_run_config(tmp_path, tok_dir):
         {"data": {"tokenizer": tok_dir}})))
     mngr.wait_until_finished()
     mngr.close()
-    t = ev.resolve_tokenizer(None, str(tmp_path))
+    t = policy.resolve_tokenizer(None, str(tmp_path))
     assert t.eos_token == "<|im_end|>"
     with pytest.raises(ValueError, match="no tokenizer"):
-        ev.resolve_tokenizer(None, str(tmp_path / "nothing_here"))
+        policy.resolve_tokenizer(None, str(tmp_path / "nothing_here"))

@@ -2,8 +2,10 @@
 import numpy as np
 import pytest
 
-from klear_jax import config_utils as cu
-from klear_jax import rl
+from klear_jax import config as cu
+from klear_jax.rewards.scorers import Scorers
+from klear_jax.rl import metrics as rl
+from klear_jax.rl.loop import score_responses
 
 
 def test_scorers_mixed_math_and_code_exact():
@@ -18,18 +20,19 @@ def test_scorers_mixed_math_and_code_exact():
              "<think>x</think> no code here",
              "<think>x</think>\n```python\ndef f(x):\n    return 2 * x\n```",  # passes 1 of 2
              "no think at all"]
-    scorers = rl.Scorers(cfg)
+    scorers = Scorers(cu.math_reward_config(cfg), cu.code_reward_config(cfg))
     try:
-        rewards = scorers.score(records, texts, G=2)
+        rewards, correct = score_responses(scorers, records, texts, G=2)
     finally:
         scorers.close()
     np.testing.assert_allclose(rewards, [[1.0, -1.0], [1.0, -1.0], [0.5, -2.0]])
+    np.testing.assert_array_equal(correct, [[True, False], [True, False], [False, False]])
 
 
 def test_rollout_metrics_exact():
     records = [{"tests": None, "source": "gsm"}, {"tests": {"inputs": []}, "source": ""}]
     rewards = np.array([[1.0, -1.0], [0.5, 1.0]], np.float32)
-    m = rl.rollout_metrics(records, rewards, np.array([1.0, 1.0]), np.array([3, 5, 7, 9]),
+    m = rl.rollout_metrics(records, rewards, rewards >= 1.0, np.array([3, 5, 7, 9]),
                            np.array([False, True, False, False]), np.array([True, True]),
                            kept=np.array([0]), batch_prompts=2)
     assert m["reward/mean"] == pytest.approx(0.375)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from klear_jax import config_utils as cu
+from klear_jax import config as cu
 from klear_jax.data import tokenizer as tk
 
 REQUIRED = ["reward/mean", "reward/std", "reward/math_mean", "reward/math_std", "accuracy",

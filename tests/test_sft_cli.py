@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from data_fixtures import sft_record, tok_dir, write_jsonl  # noqa: F401 (fixture)
-from klear_jax import config_utils as cu, sft
+from klear_jax import config as cu, sft
 from klear_jax.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,45 +1,33 @@
-"""Ahead-of-time compilation for a Cloud TPU topology, from a CPU host (libtpu installed).
-
-    python -m klear_jax.aot --config=configs/sft_qwen3_8b.py --topology=v5p-64
-    python -m klear_jax.aot --config=configs/gppo_math_qwen3_8b.py:chips=64,tensor=4 --topology=v6e-64 \
-        --what=rl_step,prefill,decode --out=/tmp/aot.json
-
-Builds the topology's devices (``jax.experimental.topologies``), the config's mesh over them,
-abstract parameters / optimizer state / batches (``jax.ShapeDtypeStruct`` with shardings;
-nothing the size of the model is ever allocated), then lowers and compiles the real jitted
-functions the training entry points run:
-
-    sft_step   train_step.make_train_step with the SFT loss, [batch_size, seq_len] rows
-    rl_step    the same step with rl_loss.make_rl_loss, one mini-batch of
-               batch_prompts / num_minibatches * group_size rows of max_prompt_len +
-               max_new_tokens tokens (the longest bucket)
-    prefill    Sampler's prefill: sample_chunk_prompts prompts of max_prompt_len tokens into a
-               KV cache of max_prompt_len + max_new_tokens slots, repeated group_size times
-    decode     Sampler's decode while_loop over that cache (donated)
-
-For each it reports per-chip memory (``compiled.memory_analysis()``), XLA's cost estimate
-(``compiled.cost_analysis()``: it counts a scanned or looped body ONCE, so for the layer scan
-its FLOPs are low by about the layer count) and analytical FLOPs (``flops.py``) with the time
-they take at the chip's peak and the implied MFU. Splash attention is compiled as the real
-Mosaic TPU kernel (not the CPU interpret mode the model picks on a CPU backend).
-"""
+"""Lowering and compiling the real jitted functions for a TPU topology, and the report."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from klear_jax import config_utils
+from klear_jax import checkpoint as ckpt
+from klear_jax import config as C
+from klear_jax import optim
+from klear_jax import sampling_utils as su
 from klear_jax import sharding as shd
-from klear_jax.aot_flops import CHIPS, analytical_flops, roofline
+from klear_jax import train_step as ts
+from klear_jax.flops import CHIPS, analytical_flops, roofline
+from klear_jax.models import ModelConfig
+from klear_jax.rl.step import batch_shapes as rl_batch_shapes
+from klear_jax.rl.step import build_rl_step, rl_optimizer
+from klear_jax.sampler import Sampler, _Static
+from klear_jax.sft.step import batch_shapes as sft_batch_shapes
+from klear_jax.sft.step import build_sft_step
 
 GiB = 2 ** 30
 WHAT = ("sft_step", "rl_step", "prefill", "decode")
@@ -84,7 +72,6 @@ def parse_topology(name: str) -> Topology:
 
 def topology_devices(topo: Topology) -> list:
     """The slice's devices (needs libtpu; no TPU hardware)."""
-    from jax.experimental import topologies
     # libtpu takes a machine-wide lock file; AOT needs no chip, so several compiles may share.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kw = dict(platform="tpu", topology_name=topo.topology_name, num_slices=1,
@@ -107,38 +94,9 @@ def sds(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
-def abstract_model(model_cfg, mesh):
-    """(graphdef, abstract params pure dict with shardings, params shardings pure dict)."""
-    from flax import nnx
-    from klear_jax.models import Qwen, param_shardings
-    abstract = nnx.eval_shape(lambda: Qwen(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    p_sh = param_shardings(state, mesh).to_pure_dict()
-    params = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), state.to_pure_dict(), p_sh)
-    return graphdef, params, p_sh
-
-
-def abstract_train_state(params, p_sh, optimizer, mesh):
-    """(abstract TrainState, TrainState of shardings)."""
-    from klear_jax import train_step as ts
-    shardings = ts.state_shardings(p_sh, optimizer, params, mesh)
-    opt = jax.eval_shape(optimizer.init, params)
-    opt = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), opt, shardings.opt_state)
-    rep = ts.replicated(mesh)
-    state = ts.TrainState(step=sds((), jnp.int32, rep), skipped=sds((), jnp.int32, rep),
-                          params=params, opt_state=opt)
-    return state, shardings
-
-
 def abstract_batch(spec: dict[str, tuple[tuple[int, ...], Any]], mesh) -> dict:
-    from klear_jax import train_step as ts
     bsh = ts.batch_sharding(mesh)
     return {k: sds(shape, dt, bsh) for k, (shape, dt) in spec.items()}
-
-
-def model_config(cfg):
-    from klear_jax.models import ModelConfig
-    return ModelConfig(**config_utils.model_kwargs(cfg.model))
 
 
 # ------------------------------------------------------------------------------ report
@@ -190,50 +148,36 @@ def _rollout_shapes(cfg):
 
 def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
     """name -> (thunk returning a Lowered, analytical flops dict)."""
-    from klear_jax import optim, train_step as ts
-    mcfg = model_config(cfg)
-    graphdef, params, p_sh = abstract_model(mcfg, mesh)
+    mcfg = ModelConfig(**C.model_kwargs(cfg.model))
+    graphdef, params = ckpt.abstract_model(mcfg, mesh)
     is_rl = "rollout" in cfg
-    steps = cfg.train.total_steps * (cfg.train.num_minibatches if is_rl else 1)
-    optimizer, schedule = optim.make_optimizer(cfg.optim, steps)
-    state, shardings = abstract_train_state(params, p_sh, optimizer, mesh)
-    i32, f32 = jnp.int32, jnp.float32
+    if is_rl:
+        optimizer, schedule = rl_optimizer(cfg)
+    else:
+        optimizer, schedule = optim.make_optimizer(cfg.optim, cfg.train.total_steps)
+    state, shardings = ts.abstract_train_state(params, optimizer, mesh)
     jobs = {}
 
     if "sft_step" in what:
         if is_rl:
             raise ValueError("--what=sft_step needs an SFT config (this one has a rollout block)")
-        B, T = cfg.train.batch_size, cfg.train.seq_len
-        batch = abstract_batch({"input_ids": ((B, T), i32), "targets": ((B, T), i32),
-                                "loss_mask": ((B, T), f32), "segment_ids": ((B, T), i32),
-                                "positions": ((B, T), i32)}, mesh)
-        step = ts.make_train_step(graphdef, optimizer, ts.make_sft_loss_fn(cfg.train.loss_agg),
-                                  mesh, cfg.train.num_microbatches, shardings, schedule=schedule)
+        step = build_sft_step(cfg, graphdef, optimizer, schedule, mesh, shardings)
+        batch = abstract_batch(sft_batch_shapes(cfg), mesh)
         jobs["sft_step"] = (lambda: step.lower(state, batch),
-                            analytical_flops(mcfg, "train", rows=B, seq=T))
+                            analytical_flops(mcfg, "train", rows=cfg.train.batch_size,
+                                             seq=cfg.train.seq_len))
 
     if not is_rl:
         unknown = set(what) - {"sft_step"}
         if unknown:
             raise ValueError(f"--what={','.join(sorted(unknown))} needs an RL config")
         return jobs
-    chunk, Pl, M, G = _rollout_shapes(cfg)
 
     if "rl_step" in what:
-        from klear_jax import rl_loss
-        tr, lc = cfg.train, cfg.loss
-        R, T = tr.batch_prompts // tr.num_minibatches * G, Pl + M
-        batch = abstract_batch({"input_ids": ((R, T), i32), "targets": ((R, T), i32),
-                                "loss_mask": ((R, T), f32), "segment_ids": ((R, T), i32),
-                                "old_logp": ((R, T), f32), "advantages": ((R,), f32),
-                                "positive": ((R,), f32)}, mesh)
-        loss = rl_loss.make_rl_loss(lc.kind, lc.eps_low, lc.eps_high, lc.beta1, lc.beta2,
-                                    lc.dual_clip, lc.agg, lc.norm_length, lc.sft_alpha,
-                                    cfg.rollout.temperature)
-        step = ts.make_train_step(graphdef, optimizer, loss.loss_fn, mesh, tr.num_microbatches,
-                                  shardings, schedule=schedule, denom_fn=loss.denom_fn,
-                                  loss_weights=loss.loss_weights,
-                                  finalize_metrics=loss.finalize_metrics)
+        step = build_rl_step(cfg, graphdef, optimizer, schedule, mesh, shardings)
+        spec = rl_batch_shapes(cfg)
+        R, T = spec["input_ids"][0]
+        batch = abstract_batch(spec, mesh)
         jobs["rl_step"] = (lambda: step.lower(state, batch),
                            analytical_flops(mcfg, "train", rows=R, seq=T))
 
@@ -243,13 +187,10 @@ def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
 
 
 def _sampler_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
-    from flax import nnx
-    from klear_jax import sampler as sampler_lib
-    from klear_jax import sampling_utils as su
     ro = cfg.rollout
     chunk, Pl, M, G = _rollout_shapes(cfg)
-    smp = sampler_lib.Sampler(graphdef, mesh=mesh, max_prompt_len=Pl)
-    st = sampler_lib._Static(max_new_tokens=M, n=G, greedy=ro.temperature <= su.GREEDY_TEMPERATURE,
+    smp = Sampler(graphdef, mesh=mesh, max_prompt_len=Pl)
+    st = _Static(max_new_tokens=M, n=G, greedy=ro.temperature <= su.GREEDY_TEMPERATURE,
                              top_k=ro.top_k, use_top_p=ro.top_p < 1.0,
                              use_penalty=ro.repetition_penalty != 1.0)
     prefill, decode = smp._functions(st)
@@ -303,22 +244,22 @@ def run(config: str, topology: str, what: tuple[str, ...] | None = None,
     if not libtpu_available():
         raise RuntimeError("klear_jax.aot needs libtpu (pip install libtpu==0.0.42.1, the "
                            "version jax[tpu]==0.10.2 pins) to compile for TPU from this host")
-    cfg = config_utils.load_config(config)
-    config_utils.apply_overrides(cfg, overrides)
+    cfg = C.load_config(config)
+    C.apply_overrides(cfg, overrides)
     is_rl = "rollout" in cfg
     what = tuple(what or (("rl_step", "prefill", "decode") if is_rl else ("sft_step",)))
     bad = set(what) - set(WHAT)
     if bad:
         raise ValueError(f"--what: unknown {sorted(bad)}; allowed {WHAT}")
     devices = topology_devices(topo)
-    config_utils.validate_mesh(cfg, len(devices))
+    C.validate_mesh(cfg, len(devices))
     mesh = shd.mesh_from_config(cfg.mesh, devices=devices)
     report = {"config": config, "overrides": list(overrides), "topology": topo.name,
               "topology_name": topo.topology_name, "chip": topo.chip, "devices": len(devices),
               "device_kind": devices[0].device_kind, "mesh": dict(mesh.shape),
               "jax": jax.__version__, "functions": []}
-    # Lowering happens under the topology's mesh, so splash attention compiles to the TPU
-    # kernel (models.attention decides interpret mode from the mesh's platform).
+    # Lowering happens under the topology's mesh, so attention "auto" resolves to the TPU
+    # kernel (klear_jax.backend decides from the mesh's platform).
     jobs = build_jobs(cfg, mesh, what)
     for name in what:
         lower_fn, flops = jobs[name]
@@ -342,13 +283,13 @@ def format_report(rep: dict) -> str:
                      f"{f['compile_s']:9.1f}  {fl['model_flops'] / 1e12:11.1f}  "
                      f"{c['xla_flops'] / 1e12:9.2f} {r['est_time_s']:7.3f} {r['implied_mfu']:6.2f}")
     lines.append(f"memory in {unit} per chip; model_TFLOP analytical for the whole slice; xla_TFLOP "
-                 "per chip, counting each scanned/looped body once (see DESIGN.md)")
+                 "per chip, counting each scanned/looped body once")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m klear_jax.aot", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m klear_jax.aot",
+                                 description="Ahead-of-time compilation for a Cloud TPU topology.")
     ap.add_argument("--config", required=True, help="configs/x.py[:variant]")
     ap.add_argument("--topology", required=True, help=f"one of {sorted(TOPOLOGIES)} or 'v5p:2x2x2'")
     ap.add_argument("--what", default="", help=f"comma list of {WHAT} (default: all for the config)")
@@ -363,7 +304,3 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(rep, f, indent=1)
     return 0 if all(f["memory"]["fits"] for f in rep["functions"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,36 +1,22 @@
-"""Fixed benchmark workloads: ``python -m klear_jax.bench --out FILE.json``.
-
-Workloads (each in its own fresh subprocess, same thread settings), default model
-``bench-small`` (Qwen3 shape, random weights, float32, untied embeddings; see ``model_config``):
-
-    train      the real jitted RL train step (GPPO + positive-SFT loss, AdamW) on B x T
-               tokens: tokens/s (median of >= 5 steps after warm-up), compile time, peak
-               memory (compiled memory_analysis + process peak RSS), MFU against JAX's own
-               float32 matmul peak measured in the same process.
-    sample     the real Sampler (temperature 1): 8 prompts x 64 tokens, 256 new tokens:
-               generated tokens/s, time to first token, decode cost per step at 64 vs 1024
-               cached positions.
-    scale      train tokens/s at 512 / 2048 / 8192 tokens per row (B = 4096 // T rows, at
-               least 1, remat "full" so the 8192 row fits), compile time at 2 / 8 / 32 layers.
-    reference  transformers' PyTorch Qwen3, same shape and batch (``bench_reference``).
-
-The workloads live in ``bench_workloads`` (and the torch side in ``bench_reference``); this
-module runs each in a fresh process, computes the ratios, checks the targets and prints
-the table. Results: docs/performance.md.
-"""
+"""The benchmark driver: runs each workload in a fresh process, combines rounds, computes the
+ratios against the PyTorch reference, checks the targets and prints the table."""
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
 import time
 
-from klear_jax.bench_workloads import (model_config, rl_batch, round_orders,  # noqa: F401
-                                       run_reference_workload, run_sample, run_scale,
-                                       run_train, sizes, train_flops_per_token)
+import jax
+
+from klear_jax.bench.measure import round_orders
+from klear_jax.bench.workloads import (run_reference_workload, run_sample, run_scale,
+                                       run_train, sizes)
 
 WORKLOADS = ("train", "sample", "reference", "scale")
 # The number each workload's repeated runs are ranked by (``--rounds``).
@@ -75,7 +61,6 @@ def malloc_preload(choice: str) -> str | None:
         raise ValueError(f"--malloc {choice!r}: choose from {MALLOC_CHOICES}")
     if choice == "system":
         return None
-    import ctypes.util
     lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
     if lib is None and choice == "tcmalloc":
         raise ValueError("--malloc tcmalloc: no libtcmalloc found by the dynamic loader; install "
@@ -114,7 +99,6 @@ def run_worker(name: str, quick: bool, threads: int) -> dict:
     out["wall_s"] = time.perf_counter() - t0
     out["allocator"] = loaded_allocator()
     if name != "reference":
-        import jax
         out["jax_version"] = jax.__version__
         out["jax_devices"] = [str(d) for d in jax.devices()]
     return out
@@ -162,7 +146,6 @@ def median_run(runs: list[dict], key: str) -> dict:
 
 
 def machine_info(threads: int, preload: str | None = None) -> dict:
-    import platform
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -305,6 +288,3 @@ def main(argv=None) -> dict:
     print(table(res))
     return res
 
-
-if __name__ == "__main__":
-    main()

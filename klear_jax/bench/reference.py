@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from klear_jax.bench_workloads import bracket_peak
+from klear_jax.bench.measure import bracket_peak
 
 
 def torch_matmul_peak(n: int, reps: int) -> dict:

@@ -1,18 +1,31 @@
-"""The workloads of ``klear_jax.bench`` (one per subprocess); see that module's docstring.
+"""The workloads of ``klear_jax.bench`` (one per subprocess); see that package's docstring.
 
-Model FLOPs (analytic, XLA's cost analysis undercounts scanned layers): per token,
-3 x (2 N + 2 D V + 4 L H hd T / 2), N = matmul parameters of the layers (norms excluded),
-D V the LM head, the last term causal attention (QK^T and PV over T/2 keys on average);
-x3 = forward + backward.
+Model FLOPs are analytic (``klear_jax.flops.train_flops_per_token``: XLA's cost analysis
+undercounts scanned layers). The train workloads build the real RL update through
+``klear_jax.rl.step``, the wiring the RL loop uses.
 """
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from klear_jax import checkpoint as ckpt
+from klear_jax import sharding as shd
+from klear_jax import train_step as ts
+from klear_jax.bench.measure import (bracket_peak, jax_matmul_peak, peak_rss_bytes,
+                                     round_orders)
+from klear_jax.bench.reference import run_reference
+from klear_jax.flops import train_flops_per_token
+from klear_jax.models import ModelConfig, create_model
+from klear_jax.rl.config import rl_base
+from klear_jax.rl.step import build_logprob_fn, build_rl_step, rl_optimizer
+from klear_jax.sampler import Sampler, SamplingParams
 
 FULL = dict(model=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
                        num_heads=8, num_kv_heads=4, head_dim=64),
@@ -31,21 +44,26 @@ def sizes(quick: bool) -> dict:
     return QUICK if quick else FULL
 
 
-def model_config(quick: bool = False, **overrides):
-    from klear_jax.models import ModelConfig
+def model_config(quick: bool = False, **overrides) -> ModelConfig:
     kw = dict(sizes(quick)["model"], dtype="float32", param_dtype="float32",
               tie_word_embeddings=False, remat_policy="none", logprob_remat=False)
     kw.update(overrides)
     return ModelConfig(**kw)
 
 
-def train_flops_per_token(cfg, T: int) -> float:
-    """Analytic model FLOPs per trained token at row length T (module docstring)."""
-    D, F, H, K, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim)
-    n = cfg.num_layers * (2 * D * H * hd + 2 * D * K * hd + 3 * D * F)
-    attn = cfg.num_layers * 4 * H * hd * T / 2
-    return 3.0 * (2 * n + 2 * D * cfg.vocab_size + attn)
+def rl_config():
+    """The RL config whose update is benchmarked: GPPO (dual clip 10) + 0.1 x positive NLL,
+    AdamW (lr 1e-6 constant, weight decay 0.1, clip 1.0), one update, no micro-batching."""
+    c = rl_base()
+    c.train.update(num_minibatches=1, num_microbatches=1, total_steps=1000)
+    c.rollout.update(temperature=1.0)
+    c.optim.update(lr=1e-6, end_lr=1e-6, schedule="constant", warmup_steps=0,
+                   weight_decay=0.1, clip_norm=1.0)
+    return c
+
+
+def single_device_mesh():
+    return shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
 
 
 def rl_batch(cfg, B: int, T: int, seed: int = 0) -> dict:
@@ -61,86 +79,23 @@ def rl_batch(cfg, B: int, T: int, seed: int = 0) -> dict:
             "positive": adv > 0, "sampler_logp": np.zeros((B, T), np.float32)}
 
 
-def round_orders(names: list, rounds: int) -> list[list]:
-    """The order of ``names`` per round, reversed every other round: train, reference,
-    reference, train for two rounds (ABBA), so that a drift in the box's speed hits both
-    sides alike."""
-    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def jax_matmul_peak(n: int, reps: int) -> dict:
-    """float32 [n, n] @ [n, n] throughput of a jitted jnp.dot, compiled with XLA's default
-    options and with the CPU training options the train step uses (Eigen instead of
-    YNNPACK; ``sharding.CPU_TRAINING_COMPILER_OPTIONS``), timed interleaved: best and median
-    of ``reps`` per variant. ``peak_flops`` is the best of both, the MFU denominator."""
-    import jax
-    import jax.numpy as jnp
-    from klear_jax import sharding as shd
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.float32)
-    b = jax.random.normal(kb, (n, n), jnp.float32)
-    lowered = jax.jit(jnp.dot).lower(a, b)
-    variants = {"default": lowered.compile(),
-                "training_options": lowered.compile(
-                    compiler_options=shd.CPU_TRAINING_COMPILER_OPTIONS)}
-    times = {name: [] for name in variants}
-    for f in variants.values():
-        f(a, b).block_until_ready()
-    for _ in range(reps):
-        for name, f in variants.items():
-            t0 = time.perf_counter()
-            f(a, b).block_until_ready()
-            times[name].append(time.perf_counter() - t0)
-    flops = 2.0 * n ** 3
-    out = {"n": n, "by_options": {name: {"peak_flops": flops / min(ts),
-                                         "median_flops": flops / statistics.median(ts)}
-                                  for name, ts in times.items()}}
-    best = max(out["by_options"].values(), key=lambda r: r["peak_flops"])
-    out.update(best)
-    return out
-
-
-def bracket_peak(before: dict, after: dict) -> dict:
-    """The higher of two matmul peak measurements, one taken before and one after the timed
-    steps, with both kept (``peak_flops_before_after``): a slow window of the box while one
-    is measured cannot shrink the MFU denominator (one measurement before the steps did:
-    184 against 206-212 GFLOP/s in the other rounds of one run, docs/performance.md)."""
-    best = dict(max((before, after), key=lambda m: m["peak_flops"]))
-    best["peak_flops_before_after"] = [before["peak_flops"], after["peak_flops"]]
-    return best
-
-
 # ----------------------------------------------------------------------------- train
 def build_train(cfg, B: int, T: int, seed: int = 0, model_old_logp: bool = True):
     """(run(state) -> (state, metrics), state, compiled, timings) for the real RL train step.
     old_logp comes from the real old-logprob pass, or is zeros (same step cost, one compile
     fewer) when ``model_old_logp`` is False."""
-    import jax
-    from klear_jax import rl_loss, sharding as shd, train_step as ts
-    from klear_jax.models import create_model
-    from klear_jax.optim import make_optimizer
-    mesh = shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
-    optimizer, schedule = make_optimizer(dict(lr=1e-6, schedule="constant", warmup_steps=0,
-                                              b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1,
-                                              clip_norm=1.0), total_steps=1000)
+    rcfg = rl_config()
+    mesh = single_device_mesh()
+    optimizer, schedule = rl_optimizer(rcfg)
     model = create_model(cfg, seed=seed, mesh=mesh)
     graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
     del model
-    loss = rl_loss.make_rl_loss("gppo")
-    step = ts.make_train_step(graphdef, optimizer, loss.loss_fn, mesh, 1, shardings,
-                              schedule=schedule, denom_fn=loss.denom_fn,
-                              loss_weights=loss.loss_weights,
-                              finalize_metrics=loss.finalize_metrics)
+    step = build_rl_step(rcfg, graphdef, optimizer, schedule, mesh, shardings)
     host = rl_batch(cfg, B, T, seed)
     bsh = ts.batch_sharding(mesh)
     batch = {k: jax.device_put(v, bsh) for k, v in host.items()}
     if model_old_logp:
-        logprob_fn = rl_loss.make_logprob_fn(graphdef, mesh, shardings.params)
-        old_logp, _ = logprob_fn(state.params, batch)
+        old_logp, _ = build_logprob_fn(rcfg, graphdef, mesh, shardings)(state.params, batch)
     else:
         old_logp = batch["sampler_logp"]
     batch = {k: v for k, v in batch.items() if k != "sampler_logp"}
@@ -160,7 +115,6 @@ def build_train(cfg, B: int, T: int, seed: int = 0, model_old_logp: bool = True)
 
 def time_train(run, state, warmup: int, steps: int):
     """(median step seconds, all step times, last metrics)."""
-    import jax
     for _ in range(warmup):
         state, m = run(state)
         jax.block_until_ready(m)
@@ -208,7 +162,6 @@ def decode_step_runs(sampler, state, prompts_by_ctx: dict, new_tokens: int, reps
     token comes from the prefill). The contexts take turns (one call each per rep, order
     reversed every other rep), so a drift in the box's speed hits every context alike; timing
     whole calls instead would add the long prefill's run-to-run noise."""
-    from klear_jax.sampler import SamplingParams
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     for ps in prompts_by_ctx.values():  # compile every shape first
         sampler.generate(state, ps, params, seed=0)
@@ -222,9 +175,6 @@ def decode_step_runs(sampler, state, prompts_by_ctx: dict, new_tokens: int, reps
 
 
 def run_sample(quick: bool) -> dict:
-    from flax import nnx
-    from klear_jax.models import create_model
-    from klear_jax.sampler import Sampler, SamplingParams
     s = sizes(quick)
     cfg = model_config(quick)
     graphdef, state = nnx.split(create_model(cfg, seed=0))
@@ -265,26 +215,12 @@ def run_sample(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- scale
 def compile_time(cfg, B: int, T: int) -> dict:
     """Lower + compile the real train step from abstract shapes (no parameters allocated)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from klear_jax import rl_loss, sharding as shd, train_step as ts
-    from klear_jax.models import Qwen
-    from klear_jax.optim import make_optimizer
-    mesh = shd.make_mesh(1, -1, 1, devices=jax.devices()[:1])
-    optimizer, schedule = make_optimizer(dict(lr=1e-6, schedule="constant", warmup_steps=0,
-                                              b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1,
-                                              clip_norm=1.0), total_steps=1000)
-    abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = ts.split_model(abstract)
-    shardings = ts.state_shardings(ts.params_shardings(abstract, mesh), optimizer, params, mesh)
-    i32 = jax.ShapeDtypeStruct((), jnp.int32)
-    state = ts.TrainState(i32, i32, params, jax.eval_shape(optimizer.init, params))
-    loss = rl_loss.make_rl_loss("gppo")
-    step = ts.make_train_step(graphdef, optimizer, loss.loss_fn, mesh, 1, shardings,
-                              schedule=schedule, denom_fn=loss.denom_fn,
-                              loss_weights=loss.loss_weights,
-                              finalize_metrics=loss.finalize_metrics)
+    rcfg = rl_config()
+    mesh = single_device_mesh()
+    optimizer, schedule = rl_optimizer(rcfg)
+    graphdef, abstract_params = ckpt.abstract_model(cfg, mesh)
+    state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
+    step = build_rl_step(rcfg, graphdef, optimizer, schedule, mesh, shardings)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
              for k, v in rl_batch(cfg, B, T).items() if k != "sampler_logp"}
     batch["old_logp"] = jax.ShapeDtypeStruct((B, T), jnp.float32)
@@ -319,7 +255,6 @@ def run_scale(quick: bool) -> dict:
 
 # ----------------------------------------------------------------------------- reference
 def run_reference_workload(quick: bool, threads: int) -> dict:
-    from klear_jax.bench_reference import run_reference
     s = sizes(quick)
     cfg = model_config(quick)
     host = rl_batch(cfg, s["batch"], s["seq"])

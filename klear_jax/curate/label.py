@@ -20,55 +20,16 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from flax import nnx
+
+from klear_jax import policy
+from klear_jax import sharding as shd
+from klear_jax.curate.steps import Batched, Filter, response_text
 from klear_jax.data import records as R
-from klear_jax.data.curate_steps import Batched, Filter, response_text
+from klear_jax.data.prepare import rl_example
 from klear_jax.data.records import RawRecord, RecordError
-
-
-class Scorers:
-    """Lazily created math / code scorers shared by the steps; `close()` them at the end."""
-
-    def __init__(self, require_open_think: bool, math_workers: int, code_timeout_s: float,
-                 code_max_tests: int, code_slots: int):
-        self.require_open_think = require_open_think
-        self.math_workers, self.code_timeout_s = math_workers, code_timeout_s
-        self.code_max_tests, self.code_slots = code_max_tests, code_slots
-        self._math = self._code = None
-
-    @property
-    def math(self):
-        if self._math is None:
-            from klear_jax.rewards import MathRewardConfig, MathScorer
-            self._math = MathScorer(MathRewardConfig(require_open_think=self.require_open_think,
-                                                     num_workers=self.math_workers))
-        return self._math
-
-    @property
-    def code(self):
-        if self._code is None:
-            from klear_jax.rewards import CodeRewardConfig, CodeScorer, SandboxConfig
-            sb = SandboxConfig(timeout_s=self.code_timeout_s, max_tests=self.code_max_tests,
-                               num_slots=self.code_slots)
-            self._code = CodeScorer(CodeRewardConfig(mode="soft", require_open_think=self.require_open_think,
-                                                     sandbox=sb))
-        return self._code
-
-    def close(self) -> None:
-        for s in (self._math, self._code):
-            if s is not None:
-                s.close()
-        self._math = self._code = None
-
-    def correct(self, domain: str, responses: list[str], refs: list[Any]) -> tuple[list[bool], list[float]]:
-        """(correct flags, rewards) for responses against their answers (math) / tests (code)."""
-        if not responses:
-            return [], []
-        if domain == "math":
-            rewards = self.math.score_batch(responses, [str(a) for a in refs])
-            good = self.math.cfg.correct
-            return [r == good for r in rewards], rewards
-        rewards = self.code.score_batch(responses, refs)
-        return [r >= 1.0 for r in rewards], rewards
+from klear_jax.rewards.scorers import Scorers
+from klear_jax.sampler import Sampler, SamplingParams
 
 
 def reference(d: dict, domain: str) -> tuple[Any, str | None]:
@@ -92,9 +53,9 @@ def _score_groups(scorers: Scorers, items: list[tuple[int, str, str, Any]]):
     out: dict[int, list] = {}
     for domain in CHECKED:
         sel = [it for it in items if it[1] == domain]
-        ok, rewards = scorers.correct(domain, [it[2] for it in sel], [it[3] for it in sel])
-        for it, c, rw in zip(sel, ok, rewards):
-            out.setdefault(it[0], []).append((c, rw))
+        s = scorers.submit(domain, [it[2] for it in sel], [it[3] for it in sel])()
+        for it, c, rw in zip(sel, s.correct, s.rewards):
+            out.setdefault(it[0], []).append((bool(c), float(rw)))
     return out
 
 
@@ -130,7 +91,7 @@ class ModelSamples:
     """k responses per problem from a reference model (pass_rate.source "model").
 
     The checkpoint (Orbax params / SFT / RL dir, or a HF dir) and its tokenizer are loaded
-    lazily as klear_jax.eval loads them; the prompt is built as the RL data path and eval
+    lazily with klear_jax.policy; the prompt is built as the RL data path and eval
     build it (prepare.rl_example: `prompt_template` around the problem, then the chat
     template). Batch number b of a run samples with seed `seed + b`; a short last batch is
     padded with copies of its first prompt (after the real rows, so their keys are
@@ -149,29 +110,22 @@ class ModelSamples:
 
     def _load(self):
         if self._loaded is None:
-            from flax import nnx
-            from klear_jax import eval as ev
-            from klear_jax import sharding as shd
-            from klear_jax.sampler import Sampler, SamplingParams
-            tok = ev.resolve_tokenizer(self.tokenizer_dir or None, self.checkpoint, self.step)
+            tok = policy.resolve_tokenizer(self.tokenizer_dir or None, self.checkpoint, self.step)
             mesh = shd.mesh_from_config(self.mesh_cfg) if self.mesh_cfg else None
-            model = ev.load_model(self.checkpoint, mesh, self.step, dtype=self.dtype)
+            model = policy.load_model(self.checkpoint, mesh, self.step, dtype=self.dtype)
             vocab = model.config.vocab_size
-            if len(tok) > vocab:
-                raise ValueError(f"pass_rate.model: tokenizer has {len(tok)} tokens, more than the "
-                                 f"model's vocab_size {vocab}")
+            policy.check_vocab(tok, vocab, "pass_rate.model.checkpoint")
             graphdef, state = nnx.split(model)
-            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            pad, stop_ids = policy.special_ids(tok, vocab)
             params = SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
                                     max_new_tokens=self.max_new_tokens, n=self.k,
-                                    stop_token_ids=ev.stop_token_ids(tok, vocab))
+                                    stop_token_ids=stop_ids)
             sampler = Sampler(graphdef, mesh=mesh, pad_id=pad, max_prompt_len=self.max_prompt_len)
             self._loaded = (tok, sampler, state, params)
         return self._loaded
 
     def prompt_ids(self, d: dict, domain: str) -> list[int]:
         """Token ids of the templated prompt (ValueError on a record that is no RL problem)."""
-        from klear_jax.data.prepare import rl_example
         ex, _ = rl_example(self._load()[0], R.rl_fields(d, "rl_" + domain), None, self.template)
         return [int(t) for t in ex["prompt_ids"]]
 
@@ -272,7 +226,7 @@ def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str
 
 def retain_step(difficulty_source: str, field: str, hard_min: float, hard_max_pass_rate: float,
                 keep_incorrect_hard: bool, keep_incorrect_easy: bool) -> Filter:
-    """Difficulty-aware retention of incorrect traces (PAPER.md section 7).
+    """Difficulty-aware retention of incorrect traces (paper section 7).
 
     Correct and unlabelled traces are kept. An incorrect one is kept when its problem is
     hard and keep_incorrect_hard (or easy and keep_incorrect_easy). Hard: difficulty field

@@ -1,16 +1,18 @@
-"""The CPU demo (``python -m klear_jax.demo``): SFT -> GPPO -> eval of a small Qwen3 model.
+"""The CPU demo's configs (``python -m klear_jax.demo``): SFT -> GPPO -> eval of a small
+Qwen3 model. Inside the package, so an installed klear_jax runs the demo from anywhere.
 
 One file, big_vision style; the variant string picks the stage and size:
 
-    configs/demo.py:stage=sft            SFT config (klear_jax.sft)
-    configs/demo.py:stage=rl             GPPO config (klear_jax.rl)
-    configs/demo.py:stage=rl,size=tiny   the miniature used by tests/test_demo.py
+    stage=sft            SFT config (klear_jax.sft)
+    stage=rl             GPPO config (klear_jax.rl)
+    stage=rl,size=tiny   the miniature used by tests/test_demo.py
 
-The demo fills in workdir / data / init paths itself; to run a stage by hand, pass them:
+The demo fills in workdir / data / init paths itself; to run a stage by hand, pass them
+(``python -c 'import klear_jax.demo.config as c; print(c.__file__)'`` prints the path):
 
-    python -m klear_jax.sft --config=configs/demo.py:stage=sft --config.workdir=W/sft \
+    python -m klear_jax.sft --config=DEMO_CONFIG:stage=sft --config.workdir=W/sft \
         --config.data.dir=W/tfds --config.data.name=demo_sft
-    python -m klear_jax.rl --config=configs/demo.py:stage=rl --config.workdir=W/rl_math \
+    python -m klear_jax.rl --config=DEMO_CONFIG:stage=rl --config.workdir=W/rl_math \
         --config.data.dir=W/tfds --config.data.name=demo_rl_math \
         --config.data.tokenizer=W/tokenizer --config.init.source=orbax \
         --config.init.path=W/sft/checkpoints
@@ -21,7 +23,9 @@ evaluation k / temperatures) so that the demo and its tests read them from one p
 
 import ml_collections
 
-from klear_jax import config_utils, rl_config
+from klear_jax import config as C
+from klear_jax.rl.config import rl_base
+from klear_jax.sft.config import sft_base
 
 SIZES = {
     # hidden, layers, heads, kv heads, head_dim, mlp, vocab
@@ -69,7 +73,7 @@ def _model(c, size):
 
 
 def sft_config(size: str, steps: int) -> ml_collections.ConfigDict:
-    c = config_utils.sft_base()
+    c = sft_base()
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     _model(c, size)
@@ -87,7 +91,7 @@ def sft_config(size: str, steps: int) -> ml_collections.ConfigDict:
 
 
 def rl_config_(size: str, steps: int) -> ml_collections.ConfigDict:
-    c = rl_config.rl_base()
+    c = rl_base()
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     _model(c, size)
@@ -116,11 +120,11 @@ def rl_config_(size: str, steps: int) -> ml_collections.ConfigDict:
 
 
 def get_config(arg=None):
-    a = config_utils.parse_arg(arg, stage="sft", size="default", steps=0)
+    a = C.parse_arg(arg, stage="sft", size="default", steps=0)
     if a.size not in SIZES:
-        raise ValueError(f"configs/demo.py: unknown size {a.size!r}; allowed {sorted(SIZES)}")
+        raise ValueError(f"demo config: unknown size {a.size!r}; allowed {sorted(SIZES)}")
     if a.stage == "sft":
         return sft_config(a.size, a.steps)
     if a.stage == "rl":
         return rl_config_(a.size, a.steps)
-    raise ValueError(f"configs/demo.py: unknown stage {a.stage!r}; allowed ('sft', 'rl')")
+    raise ValueError(f"demo config: unknown stage {a.stage!r}; allowed ('sft', 'rl')")

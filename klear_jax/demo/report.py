@@ -3,10 +3,12 @@ ablation's markdown table (mean +- std over seeds) and bar plot."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
+from matplotlib.figure import Figure  # the object API: no pyplot, no global backend
+
+from klear_jax.metrics import read_jsonl
 
 CURVES = (  # (title, [(metrics.jsonl key, label)])
     ("reward", [("reward/mean", "mean reward")]),
@@ -18,18 +20,14 @@ CURVES = (  # (title, [(metrics.jsonl key, label)])
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def plot_curves(run_dirs: list[str], out_path: str) -> None:
     """One figure, a panel per CURVES entry; consecutive runs (math RL, then code RL) are
     laid end to end on the RL-step axis, each in its own colour."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.2))
+    fig = Figure(figsize=(4 * len(CURVES), 3.2))
+    axes = fig.subplots(1, len(CURVES))
     offset = 0
     for i, d in enumerate(run_dirs):
         rows = read_metrics(d)
@@ -46,7 +44,6 @@ def plot_curves(run_dirs: list[str], out_path: str) -> None:
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)
 
 
 def format_summary(s: dict) -> str:
@@ -93,14 +90,12 @@ def ablation_table(rows: list[dict], sft_acc: dict) -> str:
 
 
 def plot_ablation(rows: list[dict], sft_acc: dict, out_path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     keys = []
     for r in rows:
         if (r["variant"], r["task"]) not in keys:
             keys.append((r["variant"], r["task"]))
-    fig, ax = plt.subplots(figsize=(1.6 * max(len(keys), 2) + 1, 3.4))
+    fig = Figure(figsize=(1.6 * max(len(keys), 2) + 1, 3.4))
+    ax = fig.subplots()
     for i, (v, t) in enumerate(keys):
         acc = [r["accuracy"] for r in rows if r["variant"] == v and r["task"] == t]
         ax.bar(i, np.mean(acc), yerr=np.std(acc, ddof=1) if len(acc) > 1 else 0.0,
@@ -113,4 +108,3 @@ def plot_ablation(rows: list[dict], sft_acc: dict, out_path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)

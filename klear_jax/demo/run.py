@@ -4,7 +4,7 @@
     python -m klear_jax.demo --ablation --workdir DIR [--seeds 3]
 
 Stages (each a real entry point of the project, called in-process with a config from
-``configs/demo.py``):
+``klear_jax.demo.config``):
   1. data   synthetic math (multi-step arithmetic) and code (small Python functions with
             hidden function-call tests) problems; an imperfect teacher's worked solutions
             (about 30% wrong) for SFT; a locally trained byte-level BPE tokenizer; TFDS
@@ -31,38 +31,36 @@ import os
 import sys
 import time
 
-from klear_jax import config_utils
-from klear_jax import demo_tasks as dt
+from klear_jax import config as C
+from klear_jax import eval as ev
+from klear_jax import rl, sft
+from klear_jax.data import prepare as prep
+from klear_jax.data import tokenizer as tk
+from klear_jax.demo import config as demo_config
+from klear_jax.demo import report
+from klear_jax.demo import tasks as dt
+from klear_jax.demo.config import demo_settings
+from klear_jax.rewards import (CodeRewardConfig, MathRewardConfig, Sandbox, SandboxConfig,
+                               SandboxUnavailable)
 
 log = logging.getLogger("klear_jax.demo")
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "configs", "demo.py")
 
 
 def load_demo_config(stage: str, size: str, steps: int = 0, overrides=()):
-    spec = f"{CONFIG}:stage={stage},size={size}" + (f",steps={steps}" if steps else "")
-    return config_utils.apply_overrides(config_utils.load_config(spec), overrides)
-
-
-def demo_settings(size: str):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_demo_config", CONFIG)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.demo_settings(size)
+    arg = f"stage={stage},size={size}" + (f",steps={steps}" if steps else "")
+    cfg = demo_config.get_config(arg)
+    cfg.lock()
+    return C.apply_overrides(cfg, overrides)
 
 
 def check_sandbox(allow_unsandboxed: bool) -> str:
     """The sandbox mode code rewards will use; SandboxUnavailable when there is none."""
-    from klear_jax.rewards import Sandbox, SandboxConfig
     return Sandbox(SandboxConfig(allow_unsandboxed=allow_unsandboxed)).mode
 
 
 # ------------------------------------------------------------------------------ stages
 def build_data(workdir: str, size: str, seed: int) -> dict:
     """Task files, tokenizer and TFDS datasets under ``workdir``; returns their locations."""
-    from klear_jax.data import prepare as prep
-    from klear_jax.data import tokenizer as tk
     s = demo_settings(size)
     info = dt.build_task_files(os.path.join(workdir, "data"), seed, s.n_sft, s.n_rl, s.n_eval,
                                s.math_error, s.code_error, s.code_frac, tuple(s.num_ops),
@@ -84,7 +82,6 @@ def build_data(workdir: str, size: str, seed: int) -> dict:
 
 
 def run_sft(workdir: str, data: dict, size: str, seed: int, steps: int = 0) -> dict:
-    from klear_jax import sft
     cfg = load_demo_config("sft", size, steps, [
         f"workdir={os.path.join(workdir, 'sft')}", f"data.dir={data['tfds']}",
         f"seed={seed}"])
@@ -98,7 +95,6 @@ def run_rl(workdir: str, name: str, init_dir: str, data: dict, task: str, size: 
            seed: int, steps: int = 0, overrides=(), allow_unsandboxed: bool = False) -> dict:
     """One GPPO run on ``task`` ('math' | 'code') from the params in ``init_dir``;
     ``allow_unsandboxed`` lets the code rewards run without bubblewrap (the demo's flag)."""
-    from klear_jax import rl
     cfg = load_demo_config("rl", size, steps, [
         f"workdir={os.path.join(workdir, name)}", f"data.dir={data['tfds']}",
         f"data.name=demo_rl_{task}", f"data.tokenizer={data['tokenizer']}",
@@ -116,8 +112,6 @@ def run_eval(ckpt_dir: str, data: dict, out_dir: str, size: str, seed: int,
     """Reloads the checkpoint in ``ckpt_dir`` from disk with ``klear_jax.eval`` and scores the
     held-out sets: {task: {setting: eval_metrics.summarize(...)}}, settings ``t1_0`` /
     ``t0_6`` (avg@k, k = eval_k) and ``greedy``."""
-    from klear_jax import eval as ev
-    from klear_jax.rewards import CodeRewardConfig, MathRewardConfig, SandboxConfig
     s = demo_settings(size)
     temps = s.eval_temperatures if temperatures is None else temperatures
     benches = [ev.Benchmark(t, data["paths"][f"heldout_{t}"], t, s.eval_k) for t in tasks]
@@ -160,7 +154,6 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
              allow_unsandboxed: bool = False, sft_steps: int = 0, rl_steps: int = 0,
              code_rl_steps: int = 0) -> dict:
     """Runs every stage into ``workdir``; returns (and writes) the summary dict."""
-    from klear_jax import demo_report
     os.makedirs(workdir, exist_ok=True)
     mode = check_sandbox(allow_unsandboxed)
     s = demo_settings(size)
@@ -202,18 +195,17 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
                         "rl_code": rl_code["dir"]},
         "stage_wall_s": times, "wall_time_s": time.perf_counter() - t0,
         "load_average": list(os.getloadavg()), "cpu_count": os.cpu_count()})
-    demo_report.plot_curves([runs[t]["dir"] for t in s.rl_order],
+    report.plot_curves([runs[t]["dir"] for t in s.rl_order],
                             os.path.join(workdir, "curves.png"))
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    log.info("demo: %s", demo_report.format_summary(summary))
+    log.info("demo: %s", report.format_summary(summary))
     return summary
 
 
 # ------------------------------------------------------------------------------ ablation
 def _mean_metric(run_dir: str, key: str) -> float:
-    from klear_jax import demo_report
-    vals = [r[key] for r in demo_report.read_metrics(run_dir) if key in r]
+    vals = [r[key] for r in report.read_metrics(run_dir) if key in r]
     return float(sum(vals) / len(vals)) if vals else float("nan")
 
 
@@ -223,7 +215,6 @@ def run_ablation(workdir: str, size: str = "default", seeds: int = 0,
     code reward (gppo), K mini-batch updates per rollout, over seeds; held-out avg@k at
     T=1.0 per run. Reuses DIR/data_info.json and DIR/sft when present (e.g. after the demo).
     Writes DIR/ablation/{ablation.md, ablation.json, ablation.png}."""
-    from klear_jax import demo_report
     check_sandbox(allow_unsandboxed)
     s = demo_settings(size)
     seeds = seeds or s.ablation_seeds
@@ -266,18 +257,19 @@ def run_ablation(workdir: str, size: str = "default", seeds: int = 0,
             with open(path_json, "w") as f:
                 json.dump(out, f, indent=2)
             with open(os.path.join(ab, "ablation.md"), "w") as f:
-                f.write(demo_report.ablation_table(rows, sft_acc))
-            demo_report.plot_ablation(rows, sft_acc, os.path.join(ab, "ablation.png"))
+                f.write(report.ablation_table(rows, sft_acc))
+            report.plot_ablation(rows, sft_acc, os.path.join(ab, "ablation.png"))
             log.info("ablation: %s seed %d: avg@k %.3f", name, seed, m["accuracy"])
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m klear_jax.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m klear_jax.demo",
+                                description="The embedded default: SFT -> GPPO -> eval on a CPU.")
     p.add_argument("--workdir", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", default="default", choices=("default", "tiny"))
-    p.add_argument("--sft_steps", type=int, default=0, help="0 = configs/demo.py's")
+    p.add_argument("--sft_steps", type=int, default=0, help="0 = the demo config's")
     p.add_argument("--rl_steps", type=int, default=0, help="math RL steps; 0 = the config's")
     p.add_argument("--code_rl_steps", type=int, default=0)
     p.add_argument("--ablation", action="store_true", help="the loss / code-reward ablation")
@@ -286,25 +278,19 @@ def main(argv=None) -> int:
                    help="run model-written code WITHOUT bubblewrap isolation if it is missing")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    from klear_jax.rewards import SandboxUnavailable
     try:
         if a.ablation:
             out = run_ablation(a.workdir, a.size, a.seeds, a.allow_unsandboxed, a.rl_steps)
             print(open(os.path.join(a.workdir, "ablation", "ablation.md")).read())
         else:
-            from klear_jax import demo_report
             out = run_demo(a.workdir, a.size, a.seed, a.allow_unsandboxed, a.sft_steps,
                            a.rl_steps, a.code_rl_steps)
-            print(demo_report.format_summary(out))
+            print(report.format_summary(out))
     except SandboxUnavailable as e:
         print(f"error: {e}\nThe demo's code rewards run model-written programs; pass "
               "--allow_unsandboxed to run them without isolation.", file=sys.stderr)
         return 2
-    except config_utils.ConfigError as e:
+    except C.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,9 +11,9 @@ naming the key.
                                   the run config saved with the checkpoint)
     out_dir                 str   results.json + samples/ ("" = CHECKPOINT/eval)
     seed                    int   sampling seed
-    mesh.{data,fsdp,tensor} int   as in training (config_utils)
+    mesh.{data,fsdp,tensor} int   as in training (klear_jax.config)
     model.dtype / param_dtype str compute / storage dtype the parameters are loaded in
-    model.attention_impl    str   "xla" | "splash"
+    model.attention_impl    str   "auto" | "xla" | "splash" | "gpu_flash" (klear_jax.backend)
     model.rope_scaling_factor float  YaRN factor applied at load (0 = keep the checkpoint's)
     model.original_max_position_embeddings int  YaRN's original context (required with a
                                   factor); max_position_embeddings becomes factor x this
@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from klear_jax import config_utils as cu
-from klear_jax.config_utils import ConfigError, _get, _int, _need, _num
-
-KINDS = ("math", "code")  # benchmark kinds (klear_jax.eval imports this)
+from klear_jax import config as C
+from klear_jax.rewards.scorers import KINDS
 
 
 def eval_base() -> ml_collections.ConfigDict:
@@ -51,17 +49,13 @@ def eval_base() -> ml_collections.ConfigDict:
     c.out_dir = ""
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
-    c.model = dict(dtype="float32", param_dtype="float32", attention_impl="xla",
+    c.model = dict(dtype="float32", param_dtype="float32", attention_impl="auto",
                    rope_scaling_factor=0.0, original_max_position_embeddings=0)
     c.sampling = dict(max_prompt_len=4096, batch_prompts=0, samples_per_call=0)
     c.benchmarks = ml_collections.ConfigDict()
     c.settings = ml_collections.ConfigDict()
-    c.reward = dict(
-        math=dict(correct=1.0, wrong=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
-                  require_open_think=True, num_workers=2, deadline_s=10.0, verify_timeout_s=5),
-        code=dict(no_code=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
-                  require_open_think=True, timeout_s=35.0, max_tests=16, memory_mb=1024,
-                  num_slots=0, allow_unsandboxed=False, dedupe=False))
+    c.reward = C.reward_block()
+    del c.reward.code["mode"]  # always soft: accuracy = all tests pass
     return c
 
 
@@ -81,46 +75,41 @@ def add_setting(c, name: str, temperature: float, top_p: float = 1.0, top_k: int
 
 def validate_eval_config(c, num_devices: int | None = None) -> None:
     """Raises ConfigError naming the first bad key. Touches no file data."""
-    _need(isinstance(c.checkpoint, str) and c.checkpoint != "", "checkpoint",
-          "must be an Orbax checkpoint or HF directory (--config.checkpoint=DIR)")
-    _int(c, "checkpoint_step", lo=-1)
-    _int(c, "seed", lo=0)
-    cu.validate_mesh(c, num_devices)
+    C.check_str(c, "checkpoint",
+                "must be an Orbax checkpoint or HF directory (--config.checkpoint=DIR)")
+    C.check_int(c, "checkpoint_step", lo=-1)
+    C.check_int(c, "seed", lo=0)
+    C.validate_mesh(c, num_devices)
     for k in ("dtype", "param_dtype"):
-        _need(c.model[k] in cu.DTYPES, f"model.{k}", f"unknown dtype {c.model[k]!r}; "
-              f"allowed {cu.DTYPES}")
-    f = _num(c, "model.rope_scaling_factor", lo=0)
-    o = _int(c, "model.original_max_position_embeddings", lo=0)
-    _need(f == 0 or f >= 1, "model.rope_scaling_factor", f"must be 0 (off) or >= 1, got {f}")
-    _need(f == 0 or o > 0, "model.original_max_position_embeddings",
-          "required (> 0) with model.rope_scaling_factor")
-    _int(c, "sampling.max_prompt_len", lo=1)
-    _int(c, "sampling.batch_prompts", lo=0)
-    _int(c, "sampling.samples_per_call", lo=0)
+        C.check_choice(c, f"model.{k}", C.DTYPES, "dtype")
+    f = C.check_num(c, "model.rope_scaling_factor", lo=0)
+    o = C.check_int(c, "model.original_max_position_embeddings", lo=0)
+    C.need(f == 0 or f >= 1, "model.rope_scaling_factor", f"must be 0 (off) or >= 1, got {f}")
+    C.need(f == 0 or o > 0, "model.original_max_position_embeddings",
+           "required (> 0) with model.rope_scaling_factor")
+    C.check_int(c, "sampling.max_prompt_len", lo=1)
+    C.check_int(c, "sampling.batch_prompts", lo=0)
+    C.check_int(c, "sampling.samples_per_call", lo=0)
     for name in c.benchmarks:
         b = f"benchmarks.{name}"
-        _need(isinstance(_get(c, f"{b}.path"), str), f"{b}.path", "must be a string")
-        _need(_get(c, f"{b}.kind") in KINDS, f"{b}.kind", f"must be one of {KINDS}")
-        _int(c, f"{b}.num_samples", lo=1)
-        _need("{problem}" in _get(c, f"{b}.prompt_template"), f"{b}.prompt_template",
-              "must contain {problem}")
-    _need(any(c.benchmarks[n].path for n in c.benchmarks), "benchmarks",
-          "no benchmark has a path: set --config.benchmarks.<name>.path=FILE.jsonl "
-          f"(names: {sorted(c.benchmarks)})")
-    _need(len(c.settings) > 0, "settings", "needs at least one sampling setting")
+        C.need(isinstance(C.get(c, f"{b}.path"), str), f"{b}.path", "must be a string")
+        C.check_choice(c, f"{b}.kind", KINDS, "kind")
+        C.check_int(c, f"{b}.num_samples", lo=1)
+        C.need("{problem}" in C.get(c, f"{b}.prompt_template"), f"{b}.prompt_template",
+               "must contain {problem}")
+    C.need(any(c.benchmarks[n].path for n in c.benchmarks), "benchmarks",
+           "no benchmark has a path: set --config.benchmarks.<name>.path=FILE.jsonl "
+           f"(names: {sorted(c.benchmarks)})")
+    C.need(len(c.settings) > 0, "settings", "needs at least one sampling setting")
     for name in c.settings:
         s = f"settings.{name}"
-        _num(c, f"{s}.temperature", lo=0)
-        _num(c, f"{s}.top_p", lo=0, hi=1, open_lo=True)
-        _int(c, f"{s}.top_k", lo=0)
-        _num(c, f"{s}.repetition_penalty", lo=0, open_lo=True)
-        _int(c, f"{s}.max_new_tokens", lo=1)
-        _int(c, f"{s}.num_samples", lo=0)
-    for kind, make in (("math", math_reward_config), ("code", code_reward_config)):
-        try:
-            make(c)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"reward.{kind}", str(e)) from None
+        C.check_num(c, f"{s}.temperature", lo=0)
+        C.check_num(c, f"{s}.top_p", lo=0, hi=1, open_lo=True)
+        C.check_int(c, f"{s}.top_k", lo=0)
+        C.check_num(c, f"{s}.repetition_penalty", lo=0, open_lo=True)
+        C.check_int(c, f"{s}.max_new_tokens", lo=1)
+        C.check_int(c, f"{s}.num_samples", lo=0)
+    C.validate_rewards(c, {"math": math_reward_config, "code": code_reward_config})
 
 
 def benchmarks_from_config(c) -> list[dict]:
@@ -147,13 +136,9 @@ def model_overrides(c) -> dict:
 
 
 def math_reward_config(c):
-    from klear_jax.rewards import MathRewardConfig
-    return MathRewardConfig(**c.reward.math.to_dict())
+    return C.math_reward_config(c)
 
 
 def code_reward_config(c):
-    from klear_jax.rewards import CodeRewardConfig, SandboxConfig
-    from klear_jax.rl_config import CODE_SANDBOX_KEYS
-    d = c.reward.code.to_dict()
-    sandbox = SandboxConfig(**{k: d.pop(k) for k in CODE_SANDBOX_KEYS})
-    return CodeRewardConfig(sandbox=sandbox, mode="soft", **d)
+    """The code reward in soft mode (accuracy = every test passes)."""
+    return C.code_reward_config(c, mode="soft")

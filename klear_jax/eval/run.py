@@ -1,13 +1,10 @@
 """Evaluation: k samples per problem from a checkpoint, scored -> avg@k / pass@k per benchmark.
 
-    python -m klear_jax.eval --config=configs/eval_tiny.py --config.checkpoint=DIR \
-        --config.benchmarks.math.path=held_out_math.jsonl [--config.out_dir=OUT]
-
 ``checkpoint`` is an Orbax checkpoint (a params-only dir from ``checkpoint.save_params`` or
 an SFT / RL workdir; parameters alone are restored onto this run's mesh) or a HF directory
 (config.json + *.safetensors); a dir holding config.json and safetensors is taken as HF.
 The tokenizer is ``tokenizer`` if set, else the HF dir's own, else the ``data.tokenizer``
-of the run config saved in the Orbax checkpoint. Config keys: ``klear_jax.eval_config``.
+of the run config saved in the Orbax checkpoint. Config keys: ``klear_jax.eval.config``.
 
 Benchmark files are JSONL, one problem a line, in the RL prompt-set format
 (``klear_jax.data.records``): math ``{"problem", "answer"}``; code ``{"problem", "tests"}``
@@ -21,7 +18,7 @@ record raises ``RecordError`` "path:line: problem".
 Scoring is the RL reward (math-verify; the sandboxed code runner in soft mode). A sample is
 *correct* when it earns the full reward (math verifies; code passes every test);
 ``accuracy`` == ``avg@k`` is the fraction of correct samples, ``pass_rate`` the mean soft
-pass rate (code) and ``pass@k`` the unbiased estimator (``klear_jax.eval_metrics``).
+pass rate (code) and ``pass@k`` the unbiased estimator (``klear_jax.eval.metrics``).
 
 Python API (what the demo calls in-process)::
 
@@ -52,19 +49,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import re
 import time
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
+from flax import nnx
 
-from klear_jax import eval_metrics as em
+from klear_jax import policy
+from klear_jax import sharding as shd
 from klear_jax.data import records as R
-from klear_jax.eval_config import KINDS
+from klear_jax.data.prepare import rl_example
+from klear_jax.eval import config as ec
+from klear_jax.eval import metrics as em
+from klear_jax.rewards import CodeRewardConfig, MathRewardConfig
+from klear_jax.rewards.scorers import KINDS, Scorers
+from klear_jax.sampler import Sampler, SamplingParams
 
-logger = logging.getLogger("klear_jax.eval")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -106,7 +109,6 @@ class Setting:
         self.sampling_params(1)  # validates the rest, naming the field
 
     def sampling_params(self, n: int, stop_ids: Sequence[int] = ()):
-        from klear_jax.sampler import SamplingParams
         try:
             return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
                                   top_k=int(self.top_k),
@@ -124,10 +126,7 @@ def _check_name(what, name):
 
 
 def _as(cls, x):
-    if isinstance(x, cls):
-        return x
-    # a dataclass from another copy of this module (``python -m`` runs it as __main__)
-    return cls(**(dataclasses.asdict(x) if dataclasses.is_dataclass(x) else dict(x)))
+    return x if isinstance(x, cls) else cls(**dict(x))
 
 
 # ------------------------------------------------------------------------------ problems
@@ -142,7 +141,6 @@ class Problem:
 
 def load_problems(bench: Benchmark, tokenizer, max_prompt_len: int) -> list[Problem]:
     """Reads and validates ``bench.path``; RecordError "path:line: problem" on a bad record."""
-    from klear_jax.data.prepare import rl_example
     if not os.path.isfile(bench.path):
         raise FileNotFoundError(f"benchmark {bench.name!r}: file {bench.path!r} does not exist")
     out, seen = [], {}
@@ -168,95 +166,6 @@ def load_problems(bench: Benchmark, tokenizer, max_prompt_len: int) -> list[Prob
     if not out:
         raise ValueError(f"benchmark {bench.name!r}: {bench.path} holds no problems")
     return out
-
-
-# ------------------------------------------------------------------------------ loading
-def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        f.endswith(".safetensors") or f == "model.safetensors.index.json"
-        for f in os.listdir(path))
-
-
-def load_model(path: str, mesh=None, step: int = -1, **overrides):
-    """A HF dir (``from_hf``) or an Orbax checkpoint (``restore_params``), on ``mesh``."""
-    if is_hf_dir(path):
-        from klear_jax.models import from_hf
-        dtype = overrides.pop("dtype", "float32")
-        return from_hf(path, dtype=dtype, mesh=mesh, **overrides)
-    from klear_jax import checkpoint as ckpt
-    return ckpt.restore_params(path, mesh=mesh, step=step, **overrides)
-
-
-def _saved_run_tokenizer(path: str, step: int) -> str | None:
-    """``data.tokenizer`` of the run config saved with an SFT / RL checkpoint, if any."""
-    import orbax.checkpoint as ocp
-    from klear_jax import checkpoint as ckpt
-    try:
-        mngr = ocp.CheckpointManager(ckpt.resolve_dir(path),
-                                     options=ocp.CheckpointManagerOptions(read_only=True))
-        s = mngr.latest_step() if step < 0 else step
-        cfg = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        mngr.close()
-        return (cfg.get("data") or {}).get("tokenizer") or None
-    except Exception:  # params-only checkpoints carry no run config
-        return None
-
-
-def resolve_tokenizer(tokenizer, checkpoint: str | None, step: int = -1):
-    from klear_jax.data.tokenizer import load_tokenizer
-    if tokenizer is not None and not isinstance(tokenizer, str):
-        return tokenizer
-    if tokenizer:
-        return load_tokenizer(tokenizer)
-    if checkpoint and os.path.isdir(checkpoint) and any(
-            os.path.isfile(os.path.join(checkpoint, f))
-            for f in ("tokenizer.json", "tokenizer_config.json")):
-        return load_tokenizer(checkpoint)
-    saved = _saved_run_tokenizer(checkpoint, step) if checkpoint else None
-    if saved:
-        return load_tokenizer(saved)
-    raise ValueError(f"no tokenizer: set `tokenizer` (the checkpoint {checkpoint!r} has none "
-                     "and no saved run config naming one)")
-
-
-def stop_token_ids(tok, vocab_size: int) -> tuple[int, ...]:
-    """eos and <|endoftext|>, as the RL loop stops on."""
-    ids = (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>"))
-    return tuple(sorted({i for i in ids if isinstance(i, int) and 0 <= i < vocab_size}))
-
-
-# ------------------------------------------------------------------------------ scoring
-class _Scorers:
-    def __init__(self, math_cfg, code_cfg):
-        from klear_jax.rewards import CodeRewardConfig, MathRewardConfig
-        self.math_cfg = math_cfg or MathRewardConfig()
-        # Soft mode always: the pass rate is the reward, so both metrics come from it.
-        self.code_cfg = dataclasses.replace(code_cfg or CodeRewardConfig(), mode="soft")
-        self._math = self._code = None
-
-    def submit(self, kind: str, texts: list[str], problems: list[Problem]):
-        """-> a callable returning (rewards, correct, pass_rate), each float/bool [len(texts)]."""
-        if kind == "code":
-            if self._code is None:
-                from klear_jax.rewards import CodeScorer
-                self._code = CodeScorer(self.code_cfg)
-            fut = self._code.submit_batch(texts, [p.tests for p in problems])
-
-            def done():
-                r = np.asarray(fut.result(), np.float32)
-                return r, r >= 1.0 - 1e-6, np.maximum(r, 0.0)
-            return done
-        if self._math is None:
-            from klear_jax.rewards import MathScorer
-            self._math = MathScorer(self.math_cfg)
-        r = np.asarray(self._math.score_batch(texts, [p.answer for p in problems]), np.float32)
-        ok = r >= self.math_cfg.correct - 1e-6
-        return lambda: (r, ok, ok.astype(np.float32))
-
-    def close(self):
-        for s in (self._math, self._code):
-            if s is not None:
-                s.close()
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -286,14 +195,15 @@ def _sample_and_score(sampler, state, tok, problems, bench, setting, k, stop_ids
                 texts[p][j] = text
                 lengths[p, j], trunc[p, j] = out.lengths[i], out.truncated[i]
             idx = [(c0 + i // n, s0 + i % n) for i in range(rows)]
-            pending.append((idx, scorers.submit(bench.kind, resp,
-                                                [problems[p] for p, _ in idx])))
+            refs = [problems[p].tests if bench.kind == "code" else problems[p].answer
+                    for p, _ in idx]
+            pending.append((idx, scorers.submit(bench.kind, resp, refs)))
     rewards = np.zeros((P, k), np.float32)
     correct = np.zeros((P, k), bool)
     pass_rate = np.zeros((P, k), np.float32)
     for idx, done in pending:
-        r, ok, pr = done()
-        for (p, j), a, b, c in zip(idx, r, ok, pr):
+        s = done()
+        for (p, j), a, b, c in zip(idx, s.rewards, s.correct, s.pass_rate):
             rewards[p, j], correct[p, j], pass_rate[p, j] = a, b, c
     return texts, rewards, correct, pass_rate, lengths, trunc
 
@@ -304,9 +214,6 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
              checkpoint_step: int = -1, model_overrides: dict | None = None,
              log: Callable[[str], Any] | None = print) -> dict:
     """Samples, scores and summarises every (benchmark, setting). See the module docstring."""
-    from flax import nnx
-    from klear_jax.sampler import Sampler
-
     t_start = time.perf_counter()
     benchmarks = [_as(Benchmark, b) for b in benchmarks]
     settings = [_as(Setting, s) for s in settings]
@@ -315,23 +222,22 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
         if not items or len(set(names)) != len(names):
             raise ValueError(f"evaluate: need at least one {what}, with distinct names: {names}")
     ckpt_path = model_or_ckpt if isinstance(model_or_ckpt, (str, os.PathLike)) else None
-    tok = resolve_tokenizer(tokenizer, os.fspath(ckpt_path) if ckpt_path else None,
+    tok = policy.resolve_tokenizer(tokenizer, os.fspath(ckpt_path) if ckpt_path else None,
                             checkpoint_step)
     problems = {b.name: load_problems(b, tok, max_prompt_len) for b in benchmarks}
     if ckpt_path is not None:
-        model = load_model(os.fspath(ckpt_path), mesh, checkpoint_step,
-                           **dict(model_overrides or {}))
+        model = policy.load_model(os.fspath(ckpt_path), mesh, checkpoint_step,
+                                  **dict(model_overrides or {}))
     else:
         model = model_or_ckpt
     mcfg = model.config
-    if len(tok) > mcfg.vocab_size:
-        raise ValueError(f"tokenizer has {len(tok)} tokens, more than the model's "
-                         f"vocab_size {mcfg.vocab_size}")
+    policy.check_vocab(tok, mcfg.vocab_size, "model.vocab_size (of the checkpoint)")
     graphdef, state = nnx.split(model)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    stop_ids = stop_token_ids(tok, mcfg.vocab_size)
+    pad_id, stop_ids = policy.special_ids(tok, mcfg.vocab_size)
     sampler = Sampler(graphdef, mesh=mesh, pad_id=pad_id, max_prompt_len=max_prompt_len)
-    scorers = _Scorers(math_reward, code_reward)
+    # Soft code mode always: the pass rate is the reward, so both metrics come from it.
+    scorers = Scorers(math_reward or MathRewardConfig(),
+                      dataclasses.replace(code_reward or CodeRewardConfig(), mode="soft"))
     results: dict[str, dict] = {b.name: {} for b in benchmarks}
     if out_dir:
         os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
@@ -389,10 +295,7 @@ def _write_samples(path, b, s, problems, texts, rewards, correct, pass_rate, len
 
 # ------------------------------------------------------------------------------ CLI
 def run(cfg) -> dict:
-    """Validates ``cfg`` (``eval_config.eval_base`` schema) and evaluates."""
-    import jax
-    from klear_jax import eval_config as ec
-    from klear_jax import sharding as shd
+    """Validates ``cfg`` (``klear_jax.eval.config`` schema) and evaluates."""
     ec.validate_eval_config(cfg, jax.device_count())
     mesh = shd.mesh_from_config(cfg.mesh)
     out_dir = cfg.out_dir or os.path.join(cfg.checkpoint, "eval")
@@ -403,9 +306,3 @@ def run(cfg) -> dict:
                     samples_per_call=cfg.sampling.samples_per_call,
                     math_reward=ec.math_reward_config(cfg), code_reward=ec.code_reward_config(cfg),
                     checkpoint_step=cfg.checkpoint_step, model_overrides=ec.model_overrides(cfg))
-
-
-if __name__ == "__main__":
-    from klear_jax import config_utils
-    config_utils.run_config_cli(
-        run, errors=(config_utils.ConfigError, R.RecordError, FileNotFoundError, ValueError))

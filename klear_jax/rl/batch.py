@@ -1,7 +1,9 @@
-"""Host-side (numpy) pieces of an RL step: group selection, advantages, the train batch.
+"""Host-side pieces of an RL step: group-relative advantages, group selection, the train
+batch and its mini-batches.
 
 Responses arrive flat, N = P * G, response ``p * G + g`` being the g-th sample of prompt p
-(the sampler keeps a prompt's responses contiguous). Rewards are [P, G].
+(the sampler keeps a prompt's responses contiguous). Rewards are [P, G]. The advantage and
+filter functions work on numpy arrays (returning numpy) and on JAX arrays, also under jit.
 
 RL batch layout, one row per kept response (rows of a group contiguous), all [R, T]:
 
@@ -22,9 +24,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-
-from klear_jax import advantages as adv_lib
 
 KEYS_2D = ("input_ids", "targets", "loss_mask", "segment_ids", "sampler_logp")
 KEYS_1D = ("advantages", "positive")
@@ -38,20 +40,61 @@ def bucket_length(needed: int, bucket: int, cap: int) -> int:
     """Row length T: ``needed`` rounded up to a multiple of ``bucket``, at most ``cap``;
     bucket 0 = always ``cap`` (a single compiled shape)."""
     if needed > cap:
-        raise ValueError(f"rl_batch: a row needs {needed} tokens, more than the cap {cap} "
+        raise ValueError(f"rl.batch: a row needs {needed} tokens, more than the cap {cap} "
                          "(rollout.max_prompt_len + rollout.max_new_tokens)")
     return cap if bucket <= 0 else min(round_up(max(needed, 1), bucket), cap)
+
+
+def _xp_rewards(rewards, name: str):
+    xp = jnp if isinstance(rewards, jax.Array) else np
+    r = xp.asarray(rewards)
+    if r.ndim != 2:
+        raise ValueError(f"rl.batch.{name}: rewards must be [P, G] (prompts x group), got shape {r.shape}")
+    if not xp.issubdtype(r.dtype, xp.floating):
+        r = r.astype(xp.float32)
+    return xp, r
+
+
+def grpo_advantages(rewards, eps: float = 1e-6, use_std: bool = True):
+    """GRPO: (R - group mean) / (unbiased group std + eps); use_std=False drops the division
+    (Dr.GRPO). rewards [P, G] with G >= 2 -> advantages [P, G]."""
+    xp, r = _xp_rewards(rewards, "grpo_advantages")
+    if r.shape[1] < 2:
+        raise ValueError(f"rl.batch.grpo_advantages: need G >= 2 responses per prompt for a "
+                         f"group baseline / unbiased std, got rewards shape {r.shape}")
+    centred = r - xp.mean(r, axis=1, keepdims=True)
+    if not use_std:
+        return centred
+    return centred / (xp.std(r, axis=1, ddof=1, keepdims=True) + eps)
+
+
+def rloo_advantages(rewards):
+    """RLOO: R_i minus the mean of the other G-1 rewards of its group = G/(G-1) (R_i - mean).
+    rewards [P, G] with G >= 2 -> advantages [P, G]."""
+    xp, r = _xp_rewards(rewards, "rloo_advantages")
+    g = r.shape[1]
+    if g < 2:
+        raise ValueError(f"rl.batch.rloo_advantages: need G >= 2, got rewards shape {r.shape}")
+    loo_mean = (xp.sum(r, axis=1, keepdims=True) - r) / (g - 1)
+    return r - loo_mean
+
+
+def group_filter_mask(rewards, atol: float = 0.0):
+    """bool [P]: True for groups whose rewards are not all equal (within atol), i.e. groups
+    that carry a learning signal; all-right / all-wrong groups are False."""
+    xp, r = _xp_rewards(rewards, "group_filter_mask")
+    return (xp.max(r, axis=1) - xp.min(r, axis=1)) > atol
 
 
 def group_advantages(rewards, estimator: str = "grpo", use_std: bool = True) -> np.ndarray:
     """[P, G] rewards -> [P, G] float32 advantages ("grpo" or "rloo")."""
     r = np.asarray(rewards, np.float32)
     if estimator == "grpo":
-        a = adv_lib.grpo_advantages(r, use_std=use_std)
+        a = grpo_advantages(r, use_std=use_std)
     elif estimator == "rloo":
-        a = adv_lib.rloo_advantages(r)
+        a = rloo_advantages(r)
     else:
-        raise ValueError(f"rl_batch: unknown advantage estimator {estimator!r} (grpo, rloo)")
+        raise ValueError(f"rl.batch: unknown advantage estimator {estimator!r} (grpo, rloo)")
     return np.asarray(a, np.float32)
 
 
@@ -63,7 +106,7 @@ def select_groups(rewards, batch_prompts: int, filter_zero_adv: bool = True,
     candidates; at most ``batch_prompts`` of them are kept (over-generation cap). Nothing
     is padded in: with too few candidates the batch shrinks.
     """
-    signal = np.asarray(adv_lib.group_filter_mask(np.asarray(rewards, np.float32), atol))
+    signal = np.asarray(group_filter_mask(np.asarray(rewards, np.float32), atol))
     cand = np.nonzero(signal)[0] if filter_zero_adv else np.arange(signal.shape[0])
     return cand[:batch_prompts], signal
 
@@ -87,7 +130,7 @@ def build_rows(prompts: Sequence[np.ndarray], responses: np.ndarray, lengths,
     responses = np.asarray(responses)
     lengths = np.asarray(lengths, np.int64)
     if responses.shape[0] != R or lengths.shape != (R,):
-        raise ValueError(f"rl_batch.build_rows: {R} prompts but responses {responses.shape} "
+        raise ValueError(f"rl.batch.build_rows: {R} prompts but responses {responses.shape} "
                          f"and lengths {lengths.shape}")
     ids = np.full((R, seq_len), pad_id, np.int32)
     tgt = np.zeros((R, seq_len), np.int32)
@@ -97,13 +140,13 @@ def build_rows(prompts: Sequence[np.ndarray], responses: np.ndarray, lengths,
         p = np.asarray(prompts[r], np.int32)
         lp, lr = len(p), int(lengths[r])
         if lp == 0:
-            raise ValueError(f"rl_batch.build_rows: row {r} has an empty prompt")
+            raise ValueError(f"rl.batch.build_rows: row {r} has an empty prompt")
         if not 0 <= lr <= responses.shape[1]:
-            raise ValueError(f"rl_batch.build_rows: row {r} length {lr} outside "
+            raise ValueError(f"rl.batch.build_rows: row {r} length {lr} outside "
                              f"[0, {responses.shape[1]}]")
         n = lp + lr
         if n > seq_len:
-            raise ValueError(f"rl_batch.build_rows: row {r} has {n} tokens > seq_len {seq_len}")
+            raise ValueError(f"rl.batch.build_rows: row {r} has {n} tokens > seq_len {seq_len}")
         seq = np.concatenate([p, responses[r, :lr].astype(np.int32)])
         ids[r, :n] = seq
         tgt[r, :n - 1] = seq[1:]
@@ -133,7 +176,7 @@ def build_train_batch(prompts: Sequence[np.ndarray], tokens, lengths, truncated,
     P, G = np.asarray(advantages).shape
     tokens = np.asarray(tokens)
     if tokens.shape[0] != P * G:
-        raise ValueError(f"rl_batch: {tokens.shape[0]} responses but advantages are [{P}, {G}]")
+        raise ValueError(f"rl.batch: {tokens.shape[0]} responses but advantages are [{P}, {G}]")
     kept = np.asarray(kept, np.int64)
     rows = (kept[:, None] * G + np.arange(G)[None, :]).reshape(-1)
     lengths = np.asarray(lengths, np.int64)[rows]

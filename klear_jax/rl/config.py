@@ -3,7 +3,7 @@
 Config files (``configs/gppo_*.py``) call ``rl_base()`` and fill in values; the result is
 locked, so a typo fails naming the key. ``validate_rl_config`` checks everything up front.
 Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
-``checkpoint``) mean what ``klear_jax.config_utils`` says; the RL-specific keys:
+``checkpoint``, ``reward``) mean what ``klear_jax.config`` says; the RL-specific keys:
 
     data.dir / data.name / data.split   TFDS dataset written by ``klear_jax.data.prepare``
                                   with --kind rl_math or rl_code (a record with tests is
@@ -41,30 +41,23 @@ Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
     loss.filter_zero_adv    bool  drop groups whose rewards are all equal
     loss.overlong_filter    bool  mask truncated responses out of the loss
     optim.warmup_steps / decay_steps  count RL steps, as in verl (the optimizer sees up to
-                                  K updates per step; the loop scales both by K)
-    reward.math.*                 klear_jax.rewards.MathRewardConfig fields
-    reward.code.*                 CodeRewardConfig (mode, no_code, format penalties) and
-                                  sandbox fields (timeout_s, max_tests, memory_mb,
-                                  num_slots, allow_unsandboxed)
+                                  K updates per step; ``klear_jax.rl.step.rl_optimizer``
+                                  scales both by K)
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-from klear_jax import config_utils as cu
-from klear_jax.config_utils import ConfigError, _get, _int, _need, _num  # noqa: F401
+from klear_jax import config as C
+from klear_jax import losses
 
 ADV_ESTIMATORS = ("grpo", "rloo")
-CODE_SANDBOX_KEYS = ("timeout_s", "max_tests", "memory_mb", "num_slots", "allow_unsandboxed")
 
 
 def rl_base() -> ml_collections.ConfigDict:
     """Every key with a default value (see the module docstring)."""
-    s = cu.sft_base()
-    c = ml_collections.ConfigDict()
-    for k in ("workdir", "seed", "mesh", "init", "model", "optim", "checkpoint"):
-        c[k] = s[k]
+    c = C.base_config()
     c.data = dict(dir="", name="", split="train", shuffle=True, num_epochs=0, tokenizer="")
     c.rollout = dict(prompts_per_step=256, group_size=8, temperature=1.0, top_p=1.0, top_k=0,
                      repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
@@ -75,123 +68,76 @@ def rl_base() -> ml_collections.ConfigDict:
                   dual_clip=10.0, agg="token-mean", norm_length=0.0, sft_alpha=0.1,
                   adv_estimator="grpo", adv_use_std=True, filter_zero_adv=True,
                   overlong_filter=False)
-    c.reward = dict(
-        math=dict(correct=1.0, wrong=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
-                  require_open_think=True, num_workers=2, deadline_s=10.0, verify_timeout_s=5),
-        code=dict(mode="soft", no_code=-1.0, missing_close_think=-0.5,
-                  missing_open_think=-2.0, require_open_think=True, timeout_s=35.0,
-                  max_tests=16, memory_mb=1024, num_slots=0, allow_unsandboxed=False,
-                  dedupe=False))
+    c.reward = C.reward_block()
     c.optim.update(lr=1e-6, end_lr=1e-6, schedule="constant", warmup_steps=10,
                    weight_decay=0.1, clip_norm=1.0)
     return c
 
 
-def _bool(c, key):
-    _need(isinstance(_get(c, key), bool), key, f"must be a bool, got {_get(c, key)!r}")
-
-
 def validate_rl_config(c, num_devices: int | None = None) -> None:
     """Raises ConfigError naming the first bad key. Touches no device or file data."""
-    from klear_jax import losses
-    _need(isinstance(c.workdir, str) and c.workdir != "", "workdir", "must be a non-empty path")
-    _int(c, "seed", lo=0)
-    sizes = cu.validate_mesh(c, num_devices)
-    src = c.init.source
-    _need(src in cu.INIT_SOURCES, "init.source", f"unknown source {src!r}; allowed {cu.INIT_SOURCES}")
-    if src != "scratch":
-        _need(bool(c.init.path), "init.path", f"required when init.source = {src!r}")
-    _int(c, "init.step", lo=-1)
-    cu.validate_model(c, architecture=(src == "scratch"))
-
-    _need(isinstance(c.data.name, str) and c.data.name != "", "data.name",
-          "must name the TFDS RL prompt dataset")
-    _need(isinstance(c.data.tokenizer, str) and c.data.tokenizer != "", "data.tokenizer",
-          "must be the tokenizer directory (responses are decoded for scoring)")
-    _int(c, "data.num_epochs", lo=0)
-    _bool(c, "data.shuffle")
+    sizes = C.validate_run(c, num_devices)
+    C.check_str(c, "data.name", "must name the TFDS RL prompt dataset")
+    C.check_str(c, "data.tokenizer",
+                "must be the tokenizer directory (responses are decoded for scoring)")
+    C.check_int(c, "data.num_epochs", lo=0)
+    C.check_bool(c, "data.shuffle")
 
     r = "rollout"
-    P = _int(c, f"{r}.prompts_per_step", lo=1)
-    _int(c, f"{r}.group_size", lo=2)
-    _num(c, f"{r}.temperature", lo=0, open_lo=True)
-    _num(c, f"{r}.top_p", lo=0, hi=1, open_lo=True)
-    _int(c, f"{r}.top_k", lo=0)
-    _num(c, f"{r}.repetition_penalty", lo=0, open_lo=True)
-    lp = _int(c, f"{r}.max_prompt_len", lo=1)
-    ln = _int(c, f"{r}.max_new_tokens", lo=1)
-    chunk = _int(c, f"{r}.sample_chunk_prompts", lo=0)
-    _need(chunk == 0 or P % chunk == 0, f"{r}.sample_chunk_prompts",
-          f"{chunk} does not divide rollout.prompts_per_step = {P}")
-    if src == "scratch":
-        _need(lp + ln <= c.model.max_position_embeddings, f"{r}.max_new_tokens",
-              f"max_prompt_len + max_new_tokens = {lp + ln} exceeds "
-              f"model.max_position_embeddings = {c.model.max_position_embeddings}")
+    P = C.check_int(c, f"{r}.prompts_per_step", lo=1)
+    C.check_int(c, f"{r}.group_size", lo=2)
+    C.check_num(c, f"{r}.temperature", lo=0, open_lo=True)
+    C.check_num(c, f"{r}.top_p", lo=0, hi=1, open_lo=True)
+    C.check_int(c, f"{r}.top_k", lo=0)
+    C.check_num(c, f"{r}.repetition_penalty", lo=0, open_lo=True)
+    lp = C.check_int(c, f"{r}.max_prompt_len", lo=1)
+    ln = C.check_int(c, f"{r}.max_new_tokens", lo=1)
+    chunk = C.check_int(c, f"{r}.sample_chunk_prompts", lo=0)
+    C.need(chunk == 0 or P % chunk == 0, f"{r}.sample_chunk_prompts",
+           f"{chunk} does not divide rollout.prompts_per_step = {P}")
+    if c.init.source == "scratch":
+        C.need(lp + ln <= c.model.max_position_embeddings, f"{r}.max_new_tokens",
+               f"max_prompt_len + max_new_tokens = {lp + ln} exceeds "
+               f"model.max_position_embeddings = {c.model.max_position_embeddings}")
 
     t = "train"
-    _int(c, f"{t}.total_steps", lo=1)
-    bp = _int(c, f"{t}.batch_prompts", lo=1)
-    _need(bp <= P, f"{t}.batch_prompts",
-          f"{bp} groups wanted but only rollout.prompts_per_step = {P} sampled")
-    k = _int(c, f"{t}.num_minibatches", lo=1)
-    _need(bp % k == 0, f"{t}.num_minibatches",
-          f"train.batch_prompts = {bp} is not divisible by {k} mini-batches")
-    nm = _int(c, f"{t}.num_microbatches", lo=1)
+    C.check_int(c, f"{t}.total_steps", lo=1)
+    bp = C.check_int(c, f"{t}.batch_prompts", lo=1)
+    C.need(bp <= P, f"{t}.batch_prompts",
+           f"{bp} groups wanted but only rollout.prompts_per_step = {P} sampled")
+    k = C.check_int(c, f"{t}.num_minibatches", lo=1)
+    C.need(bp % k == 0, f"{t}.num_minibatches",
+           f"train.batch_prompts = {bp} is not divisible by {k} mini-batches")
+    nm = C.check_int(c, f"{t}.num_microbatches", lo=1)
     rows = bp // k * c.rollout.group_size
-    _need(rows % nm == 0, f"{t}.num_microbatches",
-          f"a mini-batch of {rows} rows (batch_prompts / num_minibatches * group_size) is "
-          f"not divisible by {nm} micro-batches")
-    if all(v != -1 for v in sizes.values()) or num_devices is not None:
-        shards = sizes["data"] * sizes["fsdp"]
-        _need((rows // nm) % shards == 0, f"{t}.num_microbatches",
-              f"micro-batch of {rows // nm} rows is not divisible by mesh.data * mesh.fsdp = "
-              f"{shards}")
-    _int(c, f"{t}.length_bucket", lo=0)
-    _int(c, f"{t}.max_consecutive_skips", lo=1)
-    _int(c, f"{t}.log_every", lo=1)
+    C.need(rows % nm == 0, f"{t}.num_microbatches",
+           f"a mini-batch of {rows} rows (batch_prompts / num_minibatches * group_size) is "
+           f"not divisible by {nm} micro-batches")
+    shards = C.batch_shards(sizes, num_devices)
+    if shards is not None:
+        C.need((rows // nm) % shards == 0, f"{t}.num_microbatches",
+               f"micro-batch of {rows // nm} rows is not divisible by mesh.data * mesh.fsdp = "
+               f"{shards}")
+    C.check_int(c, f"{t}.length_bucket", lo=0)
+    C.check_int(c, f"{t}.max_consecutive_skips", lo=1)
+    C.check_int(c, f"{t}.log_every", lo=1)
 
     L = "loss"
-    _need(c.loss.kind in losses.POLICY_LOSSES, f"{L}.kind",
-          f"unknown policy loss {c.loss.kind!r}; allowed {tuple(losses.POLICY_LOSSES)}")
-    _num(c, f"{L}.eps_low", lo=0, hi=0.999)
-    _num(c, f"{L}.eps_high", lo=0)
-    _num(c, f"{L}.beta1", lo=0)
-    _num(c, f"{L}.beta2", lo=0)
-    dc = _num(c, f"{L}.dual_clip", lo=0)
-    _need(dc == 0 or dc > 1, f"{L}.dual_clip", f"must be 0 (off) or > 1, got {dc}")
-    _need(c.loss.agg in losses.AGG_MODES, f"{L}.agg",
-          f"unknown aggregation {c.loss.agg!r}; allowed {losses.AGG_MODES}")
-    nl = _num(c, f"{L}.norm_length", lo=0)
+    C.check_choice(c, f"{L}.kind", tuple(losses.POLICY_LOSSES), "policy loss")
+    C.check_num(c, f"{L}.eps_low", lo=0, hi=0.999)
+    C.check_num(c, f"{L}.eps_high", lo=0)
+    C.check_num(c, f"{L}.beta1", lo=0)
+    C.check_num(c, f"{L}.beta2", lo=0)
+    dc = C.check_num(c, f"{L}.dual_clip", lo=0)
+    C.need(dc == 0 or dc > 1, f"{L}.dual_clip", f"must be 0 (off) or > 1, got {dc}")
+    C.validate_agg(c, f"{L}.agg")
+    nl = C.check_num(c, f"{L}.norm_length", lo=0)
     if c.loss.agg == "seq-mean-token-sum-norm":
-        _need(nl > 0, f"{L}.norm_length", "must be > 0 with agg = seq-mean-token-sum-norm")
-    _num(c, f"{L}.sft_alpha", lo=0)
-    _need(c.loss.adv_estimator in ADV_ESTIMATORS, f"{L}.adv_estimator",
-          f"unknown estimator {c.loss.adv_estimator!r}; allowed {ADV_ESTIMATORS}")
+        C.need(nl > 0, f"{L}.norm_length", "must be > 0 with agg = seq-mean-token-sum-norm")
+    C.check_num(c, f"{L}.sft_alpha", lo=0)
+    C.check_choice(c, f"{L}.adv_estimator", ADV_ESTIMATORS, "estimator")
     for b in ("adv_use_std", "filter_zero_adv", "overlong_filter"):
-        _bool(c, f"{L}.{b}")
-
-    for kind, make in (("math", math_reward_config), ("code", code_reward_config)):
-        try:
-            make(c)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"reward.{kind}", str(e)) from None
-    cu.validate_optim(c)
-    cu.validate_checkpoint(c)
-
-
-def math_reward_config(c):
-    from klear_jax.rewards import MathRewardConfig
-    return MathRewardConfig(**c.reward.math.to_dict())
-
-
-def code_reward_config(c):
-    from klear_jax.rewards import CodeRewardConfig, SandboxConfig
-    d = c.reward.code.to_dict()
-    sandbox = SandboxConfig(**{k: d.pop(k) for k in CODE_SANDBOX_KEYS})
-    return CodeRewardConfig(sandbox=sandbox, **d)
-
-
-def max_reward(c, kind: str) -> float:
-    """The highest reward a response can get: math ``correct``; code 1.0 (all tests pass,
-    in every mode)."""
-    return float(c.reward.math.correct) if kind == "math" else 1.0
+        C.check_bool(c, f"{L}.{b}")
+    C.validate_rewards(c)
+    C.validate_optim(c)
+    C.validate_checkpoint(c)

@@ -1,56 +1,30 @@
-"""Supervised fine-tuning entry point.
+"""The SFT loop: packed batches from TFDS through the jitted train step.
 
-    python -m klear_jax.sft --config=configs/sft_tiny.py --config.workdir=DIR \
-        --config.data.dir=TFDS_DIR --config.data.name=NAME \
-        --config.train.total_steps=N --config.checkpoint.every_steps=M
-
-Any config key is overridable with ``--config.<key>=value``; unknown keys and bad values fail
-before anything heavy starts. A run restarted with the same workdir resumes from its latest
-checkpoint (train state, optimizer, data-iterator position). SIGTERM saves at the next step
-boundary and exits 0. Writes DIR/metrics.jsonl, TensorBoard logs in DIR/tb and checkpoints
-in DIR/checkpoints.
+A run restarted with the same workdir resumes from its latest checkpoint (train state,
+optimizer, data-iterator position); the architecture then comes from the checkpoint and the
+init weights are not read again. See ``klear_jax.sft`` for the command line.
 """
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import numpy as np
+import tensorflow_datasets as tfds
 
 from klear_jax import checkpoint as ckpt
-from klear_jax import config_utils, metrics as metrics_lib, optim, train_step as ts
+from klear_jax import config as C
+from klear_jax import metrics as metrics_lib
+from klear_jax import optim, policy
 from klear_jax import sharding as shd
-
-log = logging.getLogger("klear_jax.sft")
-
-
-def runtime_fields(cfg) -> dict:
-    """ModelConfig fields the run's config decides even when shapes come from a checkpoint."""
-    return {k: cfg.model[k] for k in ("dtype", "param_dtype", "remat_policy",
-                                      "attention_impl", "logprob_chunk_size",
-                                      "logprob_remat")}
-
-
-def build_model(cfg, mesh):
-    """(model, ModelConfig) per ``cfg.init`` (scratch / hf / orbax)."""
-    from klear_jax.models import ModelConfig, create_model, from_hf
-    m = config_utils.model_kwargs(cfg.model)
-    src = cfg.init.source
-    runtime = runtime_fields(cfg)
-    if src == "scratch":
-        model = create_model(ModelConfig(**m), seed=cfg.seed, mesh=mesh)
-    elif src == "hf":
-        model = from_hf(cfg.init.path, mesh=mesh, **runtime)
-    else:
-        model = ckpt.restore_params(cfg.init.path, mesh=mesh, step=cfg.init.step, **runtime)
-    return model, model.config
+from klear_jax import train_step as ts
+from klear_jax.data.pipeline import sft_batches
+from klear_jax.sft.config import validate_sft_config
+from klear_jax.sft.step import build_sft_step
+from klear_jax.trainer import Trainer
 
 
 def build_data(cfg, state: dict | None = None):
     """The per-process packed-batch iterator, positioned at ``state`` when resuming."""
-    import tensorflow_datasets as tfds
-    from klear_jax.data.pipeline import sft_batches
     d = cfg.data
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
     per_process = cfg.train.batch_size // jax.process_count()
@@ -66,75 +40,46 @@ def run(cfg) -> dict:
     """Trains per ``cfg``; returns {"step", "stopped": "done"|"preempted"|"data_exhausted",
     "last_metrics"}. Raises RuntimeError after too many consecutive skipped steps."""
     shd.initialize_distributed()
-    config_utils.validate_sft_config(cfg, jax.device_count())
+    validate_sft_config(cfg, jax.device_count())
     mesh = shd.mesh_from_config(cfg.mesh)
-    optimizer, schedule = optim.make_optimizer(cfg.optim, cfg.train.total_steps)
-    checkpointer = ckpt.TrainCheckpointer(cfg.workdir, keep=cfg.checkpoint.keep,
-                                          async_save=cfg.checkpoint.async_save)
-    data_state = None
-    if checkpointer.latest_step() is None:
-        model, model_cfg = build_model(cfg, mesh)
-        graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
-        del model
-    else:  # resume: shapes from the checkpoint; init weights (e.g. HF) are not read again
-        model_cfg = checkpointer.model_config(**runtime_fields(cfg))
-        graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
-        abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
-        state, data_state, _ = checkpointer.restore(abstract_state)
-        log.info("resumed from %s at step %d", checkpointer.dir, int(state.step))
-    data = build_data(cfg, data_state)
-    step_fn = ts.make_train_step(graphdef, optimizer, ts.make_sft_loss_fn(cfg.train.loss_agg),
-                                 mesh, cfg.train.num_microbatches, shardings, schedule=schedule)
-    start = int(state.step)
-    writer = metrics_lib.MetricWriter(cfg.workdir, start_step=start)
-    bar = metrics_lib.ProgressBar(cfg.train.total_steps, start)
-    guard = ts.SkipGuard(cfg.train.max_consecutive_skips)
-    preempt = ckpt.PreemptionFlag()
-    bsh = ts.batch_sharding(mesh)
+    total = cfg.train.total_steps
+    optimizer, schedule = optim.make_optimizer(cfg.optim, total)
+    with Trainer(cfg, total) as t:
+        data_state = None
+        if t.resuming:
+            model_cfg = t.model_config(**C.runtime_model_fields(cfg))
+            graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
+            abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
+            state, data_state, _ = t.restore(abstract_state)
+        else:
+            model = policy.model_from_init(cfg, mesh)
+            model_cfg = model.config
+            graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
+            del model
+        data = build_data(cfg, data_state)
+        step_fn = build_sft_step(cfg, graphdef, optimizer, schedule, mesh, shardings)
+        bsh = ts.batch_sharding(mesh)
 
-    def save(step_state):
-        checkpointer.save(step_state, data_iter=data.get_state(), config=cfg,
-                          model_config=model_cfg)
+        def save():
+            t.checkpointer.save(state, data_iter=data.get_state(), config=cfg,
+                                model_config=model_cfg)
 
-    step, stopped, m = start, "done", {}
-    try:
-        while step < cfg.train.total_steps:
+        step = int(state.step)
+        t.start(step)
+        m = {}
+        while step < total:
             try:
                 local = next(data)
             except StopIteration:
-                stopped = "data_exhausted"
-                log.warning("data exhausted after %d steps (data.num_epochs = %s)", step,
-                            cfg.data.num_epochs)
+                t.data_exhausted(step)
                 break
             batch = {k: jax.make_array_from_process_local_data(bsh, np.asarray(v))
                      for k, v in local.items()}
             state, m = step_fn(state, batch)
             step += 1
             m = metrics_lib.to_floats(m)
-            if guard.update(step, int(m["skipped"])):
-                log.warning("step %d: non-finite loss/gradient, update skipped (%d in a row)",
-                            step, guard.consecutive)
-            if step % cfg.train.log_every == 0 or step == cfg.train.total_steps:
-                writer.write(step, m)
-                bar.update(step, m)
-            if preempt.should_stop():
-                stopped = "preempted"
+            t.check_skipped(step, m["skipped"])
+            if t.end_of_step(step, m, save):
                 break
-            if step % cfg.checkpoint.every_steps == 0 and step < cfg.train.total_steps:
-                save(state)
-        if step > start and checkpointer.latest_step() != step:
-            save(state)
-    finally:
-        checkpointer.close()
-        writer.close()
-        bar.close()
-        preempt.restore_handlers()
-    if stopped == "preempted":
-        log.warning("SIGTERM: saved a checkpoint at step %d in %s; exiting", step,
-                    checkpointer.dir)
-    return {"step": step, "stopped": stopped, "last_metrics": m}
-
-
-if __name__ == "__main__":
-    config_utils.run_config_cli(run, report=lambda out, cfg: log.info(
-        "finished: %s", {k: out[k] for k in ("step", "stopped")}))
+        t.finish(step, save)
+    return {"step": step, "stopped": t.stopped, "last_metrics": m}

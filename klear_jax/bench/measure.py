@@ -1,0 +1,63 @@
+"""Measuring helpers shared by the benchmark workloads and the PyTorch reference: run orders,
+matmul peaks (the MFU denominators), peak memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from klear_jax.backend import CPU_TRAINING_COMPILER_OPTIONS
+
+
+def round_orders(names: list, rounds: int) -> list[list]:
+    """The order of ``names`` per round, reversed every other round: train, reference,
+    reference, train for two rounds (ABBA), so that a drift in the box's speed hits both
+    sides alike."""
+    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def jax_matmul_peak(n: int, reps: int) -> dict:
+    """float32 [n, n] @ [n, n] throughput of a jitted jnp.dot, compiled with XLA's default
+    options and with the CPU training options the train step uses (Eigen instead of
+    YNNPACK; ``backend.CPU_TRAINING_COMPILER_OPTIONS``), timed interleaved: best and median
+    of ``reps`` per variant. ``peak_flops`` is the best of both, the MFU denominator."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32)
+    b = jax.random.normal(kb, (n, n), jnp.float32)
+    lowered = jax.jit(jnp.dot).lower(a, b)
+    variants = {"default": lowered.compile(),
+                "training_options": lowered.compile(
+                    compiler_options=CPU_TRAINING_COMPILER_OPTIONS)}
+    times = {name: [] for name in variants}
+    for f in variants.values():
+        f(a, b).block_until_ready()
+    for _ in range(reps):
+        for name, f in variants.items():
+            t0 = time.perf_counter()
+            f(a, b).block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    flops = 2.0 * n ** 3
+    out = {"n": n, "by_options": {name: {"peak_flops": flops / min(ts),
+                                         "median_flops": flops / statistics.median(ts)}
+                                  for name, ts in times.items()}}
+    best = max(out["by_options"].values(), key=lambda r: r["peak_flops"])
+    out.update(best)
+    return out
+
+
+def bracket_peak(before: dict, after: dict) -> dict:
+    """The higher of two matmul peak measurements, one taken before and one after the timed
+    steps, with both kept (``peak_flops_before_after``): a slow window of the box while one
+    is measured cannot shrink the MFU denominator (one measurement before the steps did:
+    184 against 206-212 GFLOP/s in the other rounds of one run, docs/performance.md)."""
+    best = dict(max((before, after), key=lambda m: m["peak_flops"]))
+    best["peak_flops_before_after"] = [before["peak_flops"], after["peak_flops"]]
+    return best

@@ -1,0 +1,184 @@
+"""The curation config schema (``python -m klear_jax.curate``): ``curate_base()`` lists every
+key with its default; ``validate_curate_config`` names the first bad key (no file is read).
+Pipeline steps and their meaning: ``klear_jax.curate.pipeline``."""
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from klear_jax import config as C
+from klear_jax.data import records as R
+from klear_jax.rewards import CodeRewardConfig, MathRewardConfig, SandboxConfig
+from klear_jax.rewards.scorers import Scorers
+
+SOURCE_KEYS = {"paths": None, "domain": None, "quality": 0.0, "weight": 1.0, "cap": 0}
+PASS_RATE_SOURCES = ("none", "field", "samples", "model")
+
+
+def source(paths, domain: str, quality: float = 0.0, weight: float = 1.0, cap: int = 0) -> dict:
+    """A `sources.NAME` entry with every key present (so each is overridable from the CLI)."""
+    return dict(paths=list(_paths(paths) or []), domain=domain, quality=float(quality),
+                weight=float(weight), cap=int(cap))
+
+
+def curate_base() -> ml_collections.ConfigDict:
+    """Every key with its default. `sources` and `decontam.benchmarks` map names to entries:
+    sources.NAME = source(paths=[...], domain="math", quality=0.0, weight=1.0, cap=0);
+    decontam.benchmarks.NAME = [jsonl paths or globs]."""
+    c = ml_collections.ConfigDict()
+    c.kind = "sft"                      # sft | rl_math | rl_code (the prepared dataset)
+    c.seed = 0
+    c.skip_invalid = False              # count and drop malformed records instead of failing
+    c.sources = ml_collections.ConfigDict()
+    c.select = dict(top_n_per_domain=0)  # 0 = every source
+    c.dedup = dict(prompt=True, response=True, max_unique=0)  # max_unique 0 = unbounded
+    c.decontam = dict(benchmarks=ml_collections.ConfigDict(), n=9, check_response=False)
+    c.label = dict(enabled=False, batch_size=64, require_open_think=True, math_workers=2,
+                   code_timeout_s=10.0, code_max_tests=16, code_slots=0)
+    c.pass_rate = dict(source="none", field="pass_rate", samples_field="samples", batch_size=64,
+                       model=dict(checkpoint="", tokenizer="", checkpoint_step=-1, dtype="float32",
+                                  num_samples=8, temperature=1.0, top_p=1.0, max_new_tokens=1024,
+                                  batch_prompts=8, seed=0, max_prompt_len=512, keep_samples=False,
+                                  mesh=dict(data=1, fsdp=1, tensor=1)))
+    c.difficulty = dict(source="field", field="difficulty", hard_min=0.5, hard_max_pass_rate=0.25)
+    c.retain = dict(keep_incorrect_hard=True, keep_incorrect_easy=False)
+    c.rl_filter = dict(min_pass_rate=0.0, max_pass_rate=1.0, min_tests=0)
+    c.output = dict(dir="", name="", tfds=True, tokenizer="", max_length=0, overlong="truncate",
+                    val_fraction=0.0, prompt_template="{problem}", drop_fields=("samples",),
+                    overwrite=False)
+    return c
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_keys(node, schema, prefix: str, free: tuple[str, ...]) -> None:
+    for k in node.keys():
+        key = f"{prefix}{k}"
+        C.need(k in schema, key, f"unknown key; allowed {sorted(schema.keys())}")
+        if key in free:
+            continue
+        if isinstance(schema[k], ml_collections.ConfigDict):
+            C.need(isinstance(node[k], (dict, ml_collections.ConfigDict)), key, "must be a mapping")
+            _check_keys(node[k], schema[k], key + ".", free)
+
+
+def _paths(v) -> list[str]:
+    return [v] if isinstance(v, str) else list(v) if isinstance(v, (list, tuple)) else None
+
+
+def validate_curate_config(c) -> None:
+    """Raises C.ConfigError naming the first bad key (no file is read)."""
+    _check_keys(c, curate_base(), "", free=("sources", "decontam.benchmarks"))
+    C.need(c.kind in R.KINDS, "kind", f"must be one of {R.KINDS}, got {c.kind!r}")
+    C.need(C.is_int(c.seed) and c.seed >= 0, "seed", f"must be an int >= 0, got {c.seed!r}")
+    C.need(len(c.sources) > 0, "sources", "define at least one source")
+    for name, s in c.sources.items():
+        k = f"sources.{name}"
+        for f in s.keys():
+            C.need(f in SOURCE_KEYS, f"{k}.{f}", f"unknown key; allowed {sorted(SOURCE_KEYS)}")
+        p = _paths(s.get("paths"))
+        C.need(bool(p) and all(isinstance(x, str) and x for x in p), f"{k}.paths",
+              "must be a non-empty list of files / globs")
+        dom = s.get("domain")
+        C.need(isinstance(dom, str) and dom != "", f"{k}.domain", "must be a non-empty string")
+        if c.kind != "sft":
+            want = c.kind.split("_")[1]
+            C.need(dom == want, f"{k}.domain", f"must be {want!r} for kind {c.kind!r}, got {dom!r}")
+        C.need(C.is_num(s.get("quality", 0.0)), f"{k}.quality", "must be a number")
+        w = s.get("weight", 1.0)
+        C.need(C.is_num(w) and 0 < w <= 1, f"{k}.weight", f"must be a sampling rate in (0, 1], got {w!r}")
+        cap = s.get("cap", 0)
+        C.need(C.is_int(cap) and cap >= 0, f"{k}.cap", f"must be an int >= 0 (0 = no cap), got {cap!r}")
+    t = c.select.top_n_per_domain
+    C.need(C.is_int(t) and t >= 0, "select.top_n_per_domain", f"must be an int >= 0, got {t!r}")
+    for f in ("prompt", "response"):
+        C.need(isinstance(c.dedup[f], bool), f"dedup.{f}", "must be a bool")
+    C.need(C.is_int(c.dedup.max_unique) and c.dedup.max_unique >= 0, "dedup.max_unique", "must be an int >= 0")
+    for name, p in c.decontam.benchmarks.items():
+        p = _paths(p)
+        C.need(bool(p) and all(isinstance(x, str) and x for x in p), f"decontam.benchmarks.{name}",
+              "must be a JSONL path or a list of paths / globs")
+    C.need(C.is_int(c.decontam.n) and c.decontam.n >= 1, "decontam.n", "must be an int >= 1")
+    C.need(isinstance(c.decontam.check_response, bool), "decontam.check_response", "must be a bool")
+    lb = c.label
+    C.need(isinstance(lb.enabled, bool), "label.enabled", "must be a bool")
+    C.need(not lb.enabled or c.kind == "sft", "label.enabled", "labels teacher traces: only for kind 'sft'")
+    for f in ("batch_size", "math_workers", "code_max_tests"):
+        C.need(C.is_int(lb[f]) and lb[f] >= 1, f"label.{f}", f"must be an int >= 1, got {lb[f]!r}")
+    C.need(C.is_int(lb.code_slots) and lb.code_slots >= 0, "label.code_slots", "must be an int >= 0 (0 = cpu count)")
+    C.need(C.is_num(lb.code_timeout_s) and lb.code_timeout_s > 0, "label.code_timeout_s", "must be > 0")
+    C.need(isinstance(lb.require_open_think, bool), "label.require_open_think", "must be a bool")
+    pr = c.pass_rate
+    C.need(pr.source in PASS_RATE_SOURCES, "pass_rate.source", f"must be one of {PASS_RATE_SOURCES}, got {pr.source!r}")
+    for f in ("field", "samples_field"):
+        C.need(isinstance(pr[f], str) and pr[f] != "", f"pass_rate.{f}", "must be a non-empty string")
+    C.need(C.is_int(pr.batch_size) and pr.batch_size >= 1, "pass_rate.batch_size", "must be an int >= 1")
+    if pr.source == "model":
+        _validate_model(c)
+    d = c.difficulty
+    C.need(d.source in ("field", "pass_rate"), "difficulty.source", f"must be 'field' or 'pass_rate', got {d.source!r}")
+    if c.label.enabled and d.source == "pass_rate":
+        C.need(pr.source != "none", "difficulty.source", "'pass_rate' needs pass_rate.source 'field', 'samples' or 'model'")
+    C.need(C.is_num(d.hard_min), "difficulty.hard_min", "must be a number")
+    C.need(C.is_num(d.hard_max_pass_rate) and 0 <= d.hard_max_pass_rate <= 1, "difficulty.hard_max_pass_rate",
+          "must be in [0, 1]")
+    for f in ("keep_incorrect_hard", "keep_incorrect_easy"):
+        C.need(isinstance(c.retain[f], bool), f"retain.{f}", "must be a bool")
+    rf = c.rl_filter
+    for f in ("min_pass_rate", "max_pass_rate"):
+        C.need(C.is_num(rf[f]) and 0 <= rf[f] <= 1, f"rl_filter.{f}", f"must be in [0, 1], got {rf[f]!r}")
+    C.need(rf.min_pass_rate <= rf.max_pass_rate, "rl_filter.min_pass_rate", "must be <= rl_filter.max_pass_rate")
+    if c.kind != "sft" and (rf.min_pass_rate > 0 or rf.max_pass_rate < 1):
+        C.need(pr.source != "none", "rl_filter.min_pass_rate", "a pass-rate band needs pass_rate.source")
+    C.need(C.is_int(rf.min_tests) and rf.min_tests >= 0, "rl_filter.min_tests", "must be an int >= 0")
+    o = c.output
+    C.need(isinstance(o.dir, str) and o.dir != "", "output.dir", "must be a non-empty path")
+    n = o.name
+    C.need(isinstance(n, str) and n[:1].isalpha() and n.replace("_", "a").isalnum() and n.lower() == n,
+          "output.name", f"must be lower_snake_case (a TFDS name), got {n!r}")
+    C.need(isinstance(o.tfds, bool), "output.tfds", "must be a bool")
+    if o.tfds:
+        C.need(isinstance(o.tokenizer, str) and o.tokenizer != "", "output.tokenizer",
+              "a tokenizer directory is required when output.tfds is True")
+    C.need(C.is_int(o.max_length) and (o.max_length == 0 or o.max_length >= 2), "output.max_length",
+          "must be 0 (no limit) or >= 2")
+    C.need(o.overlong in ("truncate", "drop"), "output.overlong", "must be 'truncate' or 'drop'")
+    C.need(C.is_num(o.val_fraction) and 0 <= o.val_fraction < 1, "output.val_fraction", "must be in [0, 1)")
+    C.need(isinstance(o.prompt_template, str) and "{problem}" in o.prompt_template, "output.prompt_template",
+          "must contain '{problem}'")
+    C.need(isinstance(o.drop_fields, (list, tuple)) and all(isinstance(x, str) for x in o.drop_fields),
+          "output.drop_fields", "must be a list of field names")
+    C.need(isinstance(o.overwrite, bool), "output.overwrite", "must be a bool")
+
+
+def _validate_model(c) -> None:
+    """pass_rate.model.* (source 'model'): the reference checkpoint and its sampling."""
+    m, k = c.pass_rate.model, "pass_rate.model"
+    ck = m.checkpoint
+    C.need(isinstance(ck, str) and ck != "", f"{k}.checkpoint",
+          "required when pass_rate.source is 'model' (an Orbax params / SFT / RL checkpoint or a HF dir)")
+    C.need(os.path.isdir(ck), f"{k}.checkpoint", f"directory {ck!r} does not exist")
+    C.need(m.tokenizer == "" or isinstance(m.tokenizer, str) and os.path.isdir(m.tokenizer), f"{k}.tokenizer",
+          f"must be '' (the checkpoint's) or an existing directory, got {m.tokenizer!r}")
+    C.need(C.is_int(m.checkpoint_step), f"{k}.checkpoint_step", "must be an int (-1 = latest)")
+    C.need(m.dtype in ("float32", "bfloat16", "float16"), f"{k}.dtype", f"must be a float dtype, got {m.dtype!r}")
+    for f, lo in (("num_samples", 1), ("max_new_tokens", 1), ("batch_prompts", 1), ("max_prompt_len", 1),
+                  ("seed", 0)):
+        C.need(C.is_int(m[f]) and m[f] >= lo, f"{k}.{f}", f"must be an int >= {lo}, got {m[f]!r}")
+    C.need(C.is_num(m.temperature) and m.temperature >= 0, f"{k}.temperature", "must be >= 0 (0 = greedy)")
+    C.need(C.is_num(m.top_p) and 0 < m.top_p <= 1, f"{k}.top_p", f"must be in (0, 1], got {m.top_p!r}")
+    C.need(isinstance(m.keep_samples, bool), f"{k}.keep_samples", "must be a bool")
+    C.validate_mesh(c, None, key=f"{k}.mesh")
+
+
+
+
+def scorers_from_config(c) -> Scorers:
+    """The math / code scorers of the ``label`` block (code in soft mode)."""
+    lb = c.label
+    return Scorers(
+        MathRewardConfig(require_open_think=lb.require_open_think, num_workers=lb.math_workers),
+        CodeRewardConfig(mode="soft", require_open_think=lb.require_open_think,
+                         sandbox=SandboxConfig(timeout_s=lb.code_timeout_s,
+                                               max_tests=lb.code_max_tests,
+                                               num_slots=lb.code_slots)))

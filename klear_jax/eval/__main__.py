@@ -1,0 +1,8 @@
+"""``python -m klear_jax.eval``: see ``klear_jax.eval``."""
+
+from klear_jax import config as C
+from klear_jax.data.records import RecordError
+from klear_jax.eval import run
+
+if __name__ == "__main__":
+    C.run_config_cli(run, errors=(C.ConfigError, RecordError, FileNotFoundError, ValueError))

@@ -1,0 +1,10 @@
+"""``python -m klear_jax.rl``: see ``klear_jax.rl``."""
+
+import logging
+
+from klear_jax import config as C
+from klear_jax.rl import run
+
+if __name__ == "__main__":
+    C.run_config_cli(run, report=lambda out, cfg: logging.getLogger("klear_jax.rl").info(
+        "finished: %s", {k: out[k] for k in ("step", "updates", "stopped")}))
