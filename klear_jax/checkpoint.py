@@ -25,7 +25,7 @@ good step: newer ones are named (step and file) in a warning and moved aside to
 ``STEP.corrupt`` (nothing is deleted), and the run continues from the step before. keep-K
 counts only steps whose manifests are complete, so the step a run resumed from is deleted
 only after ``keep`` newer saves were hashed. Hashing reads every byte once more; see
-docs/checkpoints.md for its cost.
+docs/integrity.md for its cost.
 """
 
 from __future__ import annotations
@@ -245,10 +245,14 @@ def restore_params(ckpt_dir, mesh=None, step: int | None = None, **config_overri
     step = mngr.latest_step() if step is None or step < 0 else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint found in {d}")
+    problem = None
     if not any((d / str(step)).glob(MANIFEST_PREFIX + "*.json")):
         log.warning("checkpoint %s step %d has no integrity manifest: not verified", d, step)
-    elif problem := verify(d / str(step)):
-        raise CorruptCheckpointError(f"checkpoint {d} step {step}: {problem}")
+    else:
+        problem = verify(d / str(step))
+    if _any_process(problem is not None):
+        raise CorruptCheckpointError(f"checkpoint {d} step {step}: "
+                                     f"{problem or 'failed verification on another process'}")
     meta = mngr.restore(step, args=ocp.args.Composite(model_config=ocp.args.JsonRestore()))
     cfg = model_config_from_dict(meta["model_config"], **config_overrides)
     graphdef, abstract = abstract_model(cfg, mesh)
