@@ -115,30 +115,33 @@ def seal(step_dir) -> None:
 
 
 def _manifest(step_dir: epath.Path) -> tuple[dict | None, str | None]:
-    """({file: [size, sha256]} of all processes, None) or (None, problem)."""
+    """({file: (size, sha256)} of all processes, None) or (None, problem)."""
     parts = {}
     for p in step_dir.glob(MANIFEST_PREFIX + "*.json"):
         try:
             part = json.loads(p.read_text())
-            parts[int(part["process"])] = part
-        except (ValueError, KeyError, TypeError, OSError) as e:
+            parts[int(part["process"])] = (int(part["process_count"]), {
+                str(r): (int(v[0]), str(v[1])) for r, v in part["files"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as e:
             return None, f"{p.name}: unreadable ({type(e).__name__})"
     if not parts:
         return None, "no integrity manifest (the save did not finish, or predates manifests)"
-    missing = sorted(set(range(next(iter(parts.values()))["process_count"])) - set(parts))
+    missing = sorted(set(range(max(c for c, _ in parts.values()))) - set(parts))
     if missing:
         return None, f"no manifest from process(es) {missing}: the save did not finish"
-    return {r: v for part in parts.values() for r, v in part["files"].items()}, None
+    return {r: v for _, files in parts.values() for r, v in files.items()}, None
 
 
-def verify(step_dir) -> str | None:
+def verify(step_dir, items=None) -> str | None:
     """None when the step's manifest is complete and the files match it; else the problem,
-    naming the file. Each process checks its share of the files (agree with _any_process)."""
+    naming the file. Only the files of ``items`` (e.g. ("params",)) and the step's own when
+    given. Each process checks its share of the files (agree with _any_process)."""
     step_dir = epath.Path(step_dir)
     files, problem = _manifest(step_dir)
     if problem:
         return problem
-    mine = sorted(files)[jax.process_index()::jax.process_count()]
+    wanted = sorted(r for r in files if items is None or "/" not in r or r.split("/")[0] in items)
+    mine = wanted[jax.process_index()::jax.process_count()]
 
     def check(rel):
         try:
@@ -163,11 +166,11 @@ def _steps(ckpt_dir: epath.Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if re.fullmatch(r"0|[1-9]\d*", p.name))
 
 
-def newest_good_step(ckpt_dir, steps=None) -> tuple[int | None, list[tuple[int, str]]]:
-    """(the newest step that verifies or None, [(newer step, its problem)])."""
+def newest_good_step(ckpt_dir) -> tuple[int | None, list[tuple[int, str]]]:
+    """(the newest step that verifies or None, [(each newer step, its problem)])."""
     ckpt_dir = epath.Path(ckpt_dir)
     bad = []
-    for step in sorted(_steps(ckpt_dir) if steps is None else steps, reverse=True):
+    for step in reversed(_steps(ckpt_dir)):
         problem = verify(ckpt_dir / str(step))
         if not _any_process(problem is not None):
             return step, bad
@@ -249,7 +252,7 @@ def restore_params(ckpt_dir, mesh=None, step: int | None = None, **config_overri
     if not any((d / str(step)).glob(MANIFEST_PREFIX + "*.json")):
         log.warning("checkpoint %s step %d has no integrity manifest: not verified", d, step)
     else:
-        problem = verify(d / str(step))
+        problem = verify(d / str(step), items=("params", "model_config"))
     if _any_process(problem is not None):
         raise CorruptCheckpointError(f"checkpoint {d} step {step}: "
                                      f"{problem or 'failed verification on another process'}")
