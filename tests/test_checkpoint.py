@@ -1,6 +1,7 @@
 """Orbax checkpoints: full state round trip, restore onto other meshes, params alone,
 retention, and atomicity when a process is killed mid-save."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from klear_jax import checkpoint as ck, optim, sharding as shd, train_step as ts
+from klear_jax import checkpoint as ck, integrity, optim, sharding as shd, train_step as ts
 from klear_jax.models import ModelConfig, create_model
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -122,3 +123,143 @@ def test_killed_mid_save_leaves_previous_restorable(tmp_path):
         params=ck.ocp.args.StandardRestore({"w": np.zeros(10, np.float32)})))
     np.testing.assert_array_equal(got["params"]["w"], np.arange(10, dtype=np.float32))
     mngr.close()
+
+
+# ------------------------------------------------------------------ integrity (issue 23)
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """A workdir with sealed steps 1, 2, 3 (keep=3) of a tiny train state, and the states."""
+    work = tmp_path_factory.mktemp("three")
+    model = create_model(CFG, seed=2)
+    _, state, _ = ts.init_train_state(model, OPT, shd.make_mesh(fsdp=1, devices=jax.devices()[:1]))
+    states = {s: state.replace(step=state.step * 0 + s,
+                               params=jax.tree.map(lambda x: x + s, state.params)) for s in (1, 2, 3)}
+    c = ck.TrainCheckpointer(work, keep=3)
+    for s in (1, 2, 3):
+        c.save(states[s], data_iter={"pos": s}, model_config=CFG)
+    c.close()
+    return work, states
+
+
+def copy_work(three_steps, dst):
+    import shutil
+    shutil.copytree(three_steps[0], dst)
+    return dst, dst / "checkpoints"
+
+
+def flip_block(path, offset=None, size=4096):
+    """Overwrites ``size`` bytes (inverted) in the middle of ``path``, as a bad disk would."""
+    data = bytearray(path.read_bytes())
+    offset = max(0, len(data) // 2 - size // 2) if offset is None else offset
+    data[offset:offset + size] = bytes(b ^ 0xFF for b in data[offset:offset + size])
+    path.write_bytes(bytes(data))
+
+
+def largest_params_file(step_dir):
+    return max((p for p in (step_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_flipped_block_falls_back_loudly_and_keeps_the_good_step(tmp_path, three_steps, caplog):
+    work, d = copy_work(three_steps, tmp_path / "w")
+    bad = largest_params_file(d / "3")
+    flip_block(bad)
+    c = ck.TrainCheckpointer(work, keep=2)
+    with caplog.at_level("WARNING", logger="klear_jax.checkpoint"):
+        assert c.latest_step() == 2
+    rel = bad.relative_to(d / "3").as_posix()
+    assert f"CHECKPOINT STEP 3 IS CORRUPT: {d}/3: {rel}: content changed" in caplog.text
+    assert "resuming from step 2" in caplog.text
+    assert c.model_config() == CFG
+    got, data_state, _ = c.restore(target_state(shd.make_mesh(fsdp=1, devices=jax.devices()[:1]),
+                                                three_steps[1][2]))
+    assert c.restored_step == 2 and int(got.step) == 2 and data_state == {"pos": 2}
+    assert_tree_equal(got.params, three_steps[1][2].params)
+    assert sorted(x.name for x in d.iterdir()) == ["1", "2", "3.corrupt"]  # moved aside, not deleted
+    # keep=2: the resumed step 2 stays until two newer saves are sealed
+    c.save(got.replace(step=got.step + 1))
+    c.wait()
+    assert sorted(x.name for x in d.iterdir()) == ["2", "3", "3.corrupt"] and c.latest_step() == 3
+    c.save(got.replace(step=got.step + 2))
+    c.close()
+    assert sorted(x.name for x in d.iterdir()) == ["3", "3.corrupt", "4"]
+    assert ck.verify(d / "3") is None and ck.verify(d / "4") is None
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("truncate step metadata", r"step/metadata: \d+ bytes, \d+ when saved"),
+    ("delete params", r"params/\S+: missing"),
+    ("delete manifest", "no integrity manifest"),
+    ("truncate manifest", r"integrity\.0\.json: unreadable"),
+])
+def test_damaged_step_falls_back(tmp_path, three_steps, caplog, damage, problem):
+    import shutil
+    work, d = copy_work(three_steps, tmp_path / "w")
+    if damage == "truncate step metadata":
+        (d / "3" / "step" / "metadata").write_text('{"step": 3, "sk')
+    elif damage == "delete params":
+        shutil.rmtree(d / "3" / "params")
+    elif damage == "delete manifest":
+        (d / "3" / "integrity.0.json").unlink()
+    else:
+        (d / "3" / "integrity.0.json").write_text('{"process": 0, "files": {')
+    c = ck.TrainCheckpointer(work)
+    with caplog.at_level("WARNING", logger="klear_jax.checkpoint"):
+        assert c.latest_step() == 2
+    assert re.search(rf"CHECKPOINT STEP 3 IS CORRUPT: {d}/3: {problem}", caplog.text), caplog.text
+    c.close()
+
+
+def test_no_good_step_is_an_error_naming_every_step(tmp_path, three_steps):
+    work, d = copy_work(three_steps, tmp_path / "w")
+    for s in (1, 2, 3):
+        flip_block(d / str(s) / "step" / "metadata", offset=0, size=4)
+    with pytest.raises(ck.CorruptCheckpointError, match=r"step 3: step/metadata: content changed.*"
+                                                         r"step 2: .*step 1: .*start from scratch"):
+        ck.TrainCheckpointer(work).latest_step()
+    assert sorted(x.name for x in d.iterdir()) == ["1", "2", "3"]  # nothing moved
+
+
+def test_restore_params_names_a_corrupt_step(tmp_path):
+    model = create_model(CFG, seed=1)
+    ck.save_params(tmp_path / "p", model, step=4)
+    assert ck.verify(tmp_path / "p" / "4") is None
+    bad = largest_params_file(tmp_path / "p" / "4")
+    flip_block(bad, size=64)
+    rel = bad.relative_to(tmp_path / "p" / "4").as_posix()
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"step 4: {rel}: content changed"):
+        ck.restore_params(tmp_path / "p")
+
+
+def test_retention_counts_only_sealed_steps(tmp_path, three_steps):
+    """A newer step whose manifest is not (yet) complete does not push out an older sealed one."""
+    import shutil
+    work, d = copy_work(three_steps, tmp_path / "w")
+    shutil.copytree(d / "3", d / "4")
+    (d / "4" / "integrity.0.json").unlink()  # step 4 committed by Orbax, not sealed yet
+    c = ck.TrainCheckpointer(work, keep=1)
+    c._retain()
+    assert sorted(x.name for x in d.iterdir()) == ["3", "4"]
+    ck.seal(d / "4")
+    c._retain()
+    assert sorted(x.name for x in d.iterdir()) == ["4"]
+    c.close()
+
+
+def test_manifest_splits_files_by_writing_process():
+    assert integrity._writer("params/ocdbt.process_12/d/ab") == 12
+    assert integrity._writer("opt_state/array_metadatas/process_3") == 3
+    assert integrity._writer("params/d/ab") == integrity._writer("step/metadata") == 0
+
+
+def test_checkpoints_saved_before_manifests_resume_unverified(tmp_path, three_steps, caplog):
+    """A directory where no step has a manifest (older klear_jax) resumes from its newest
+    step with a warning, instead of refusing every step."""
+    work, d = copy_work(three_steps, tmp_path / "w")
+    for s in (1, 2, 3):
+        (d / str(s) / "integrity.0.json").unlink()
+    c = ck.TrainCheckpointer(work)
+    with caplog.at_level("WARNING", logger="klear_jax.integrity"):
+        assert c.latest_step() == 3
+    assert "no integrity manifests" in caplog.text and "step 3 is used unverified" in caplog.text
+    assert sorted(x.name for x in d.iterdir()) == ["1", "2", "3"]
+    c.close()

@@ -64,3 +64,19 @@ def test_expand_inputs(tmp_path):
     assert R.expand_inputs([str(tmp_path / "*.jsonl")]) == [b, a]
     with pytest.raises(FileNotFoundError, match="matches no file"):
         R.expand_inputs([str(tmp_path / "*.parquet")])
+
+
+def test_parquet_row_limits_and_deep_tests(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "big.parquet")
+    pq.write_table(pa.Table.from_pylist([{"problem": "q", "answer": "1"}, {"problem": "q" * 5000, "answer": "2"}]), path)
+    with pytest.raises(R.RecordError, match=r"big\.parquet:2: record is 5014 bytes of text, over the 4000-byte"):
+        list(R.iter_raw_records([path], max_record_bytes=4000))
+    got = list(R.iter_raw_records([path], strict=False, max_record_bytes=4000))
+    assert got[0].error is None and got[1].data is None and "over the 4000-byte" in got[1].error
+    deep = "[" * 5000 + "]" * 5000
+    for tests in (deep, json.dumps({"inputs": [json.loads("[" * 70 + "1" + "]" * 70)], "outputs": ["1"]})):
+        with pytest.raises(ValueError, match="'tests'"):
+            R.rl_fields({"problem": "x", "tests": tests}, "rl_code")

@@ -2,7 +2,8 @@
 
     python -m klear_jax.data.prepare --input data/*.jsonl --output_dir DIR --name NAME \
         --kind sft|rl_math|rl_code --tokenizer TOKDIR [--max_length N] [--skip_invalid] \
-        [--val_fraction F] [--overlong truncate|drop] [--prompt_template '{problem} ...']
+        [--val_fraction F] [--overlong truncate|drop] [--prompt_template '{problem} ...'] \
+        [--max_record_bytes B] [--overwrite]
 
 Read it back with `tfds.data_source(NAME, data_dir=DIR)` or
 `tfds.builder_from_directory(DIR/NAME/1.0.0).as_data_source()`; no TensorFlow needed.
@@ -20,6 +21,13 @@ Stored features
            math), source, difficulty float32 (NaN if absent), length
 A report {split: {read, kept, truncated, dropped, invalid}, ...} is written as JSON to
 DIR/NAME_report.json and beside the data files.
+
+A malformed record (records.py: bad JSON or UTF-8, too deep, over --max_record_bytes, which
+is checked before any tokenising; a field of the wrong type; a non-finite gold answer) stops
+the run with `file:line: problem`, or with --skip_invalid is counted under "invalid" and
+skipped. The dataset is built in a temporary directory beside DIR/NAME and moved into place
+only when complete, so a failed run, with or without --overwrite, leaves any previous
+dataset and its report as they were.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -38,7 +47,6 @@ from klear_jax.data import records as R
 from klear_jax.data import tokenizer as tk
 
 VERSION = "1.0.0"
-SPLITS = ("train", "validation")
 log = logging.getLogger(__name__)
 
 
@@ -145,12 +153,13 @@ def _make_builder_cls(name: str, kind: str, records_fn, tok, cfg: dict, report: 
 def prepare(inputs: Sequence[str] | Callable[[], Iterable[R.RawRecord]], output_dir: str, name: str,
             kind: str, tokenizer: str, max_length: int | None = None, overlong: str = "truncate",
             skip_invalid: bool = False, val_fraction: float = 0.0, prompt_template: str = "{problem}",
-            overwrite: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, max_record_bytes: int = R.DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
     """Writes the TFDS dataset DIR/NAME/1.0.0 and returns the counts report.
 
     `inputs` are file paths / globs (JSONL, or .parquet), or a callable returning a fresh
     iterable of RawRecord each call (used by in-process pipelines such as curation).
     Raises RecordError (file:line: problem) on the first malformed record unless skip_invalid.
+    Nothing in DIR changes unless the whole dataset was written.
     """
     import tensorflow_datasets as tfds
 
@@ -170,26 +179,43 @@ def prepare(inputs: Sequence[str] | Callable[[], Iterable[R.RawRecord]], output_
         records_fn = inputs
     else:
         paths = R.expand_inputs(inputs)
-        records_fn = lambda: R.iter_raw_records(paths, strict=not skip_invalid)  # noqa: E731
+        records_fn = lambda: R.iter_raw_records(  # noqa: E731
+            paths, strict=not skip_invalid, max_record_bytes=max_record_bytes)
     version_dir = os.path.join(output_dir, name, VERSION)
-    if os.path.exists(version_dir):
-        if not overwrite:
-            raise FileExistsError(f"{version_dir} already exists (pass --overwrite to replace it)")
-        shutil.rmtree(version_dir)
+    if os.path.exists(version_dir) and not overwrite:
+        raise FileExistsError(f"{version_dir} already exists (pass --overwrite to replace it)")
     tok = tk.load_tokenizer(tokenizer)
     cfg = dict(max_length=max_length, overlong=overlong, skip_invalid=skip_invalid,
-               val_fraction=val_fraction, prompt_template=prompt_template, tokenizer=tokenizer)
+               val_fraction=val_fraction, prompt_template=prompt_template, tokenizer=tokenizer,
+               max_record_bytes=max_record_bytes)
     report: dict[str, Any] = {}
     tfds.disable_progress_bar()
-    builder = _make_builder_cls(name, kind, records_fn, tok, cfg, report)(
-        data_dir=output_dir, file_format="array_record")
-    builder.download_and_prepare(download_dir=os.path.join(output_dir, ".downloads"))
-    report = {"name": name, "kind": kind, "dir": version_dir,
-              "config": {k: v for k, v in cfg.items()}, "splits": report}
-    for path in (os.path.join(output_dir, f"{name}_report.json"), os.path.join(version_dir, "prepare_report.json")):
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=output_dir)
+    try:
+        builder = _make_builder_cls(name, kind, records_fn, tok, cfg, report)(
+            data_dir=tmp, file_format="array_record")
+        builder.download_and_prepare(download_dir=os.path.join(tmp, "downloads"))
+        report = {"name": name, "kind": kind, "dir": version_dir, "config": cfg, "splits": report}
+        built = os.path.join(tmp, name, VERSION)
+        _write_json(os.path.join(built, "prepare_report.json"), report)
+        # Renames only: were the process to die between the two, the previous dataset
+        # would be left in the temporary directory, not lost.
+        if os.path.exists(version_dir):
+            os.rename(version_dir, os.path.join(tmp, "previous"))
+        os.makedirs(os.path.dirname(version_dir), exist_ok=True)
+        os.rename(built, version_dir)
+        _write_json(os.path.join(output_dir, f"{name}_report.json"), report)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def _write_json(path: str, obj) -> None:
+    """Writes JSON atomically: a reader sees the old file or the new one, never a part."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,12 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip_invalid", action="store_true", help="count and skip malformed records")
     p.add_argument("--val_fraction", type=float, default=0.0)
     p.add_argument("--prompt_template", default="{problem}", help="RL: wraps the problem text")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DIR/NAME/1.0.0 (only once the new dataset is complete)")
+    p.add_argument("--max_record_bytes", type=int, default=R.DEFAULT_MAX_RECORD_BYTES,
+                   help="longer JSONL lines / Parquet rows are invalid (checked before parsing)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         report = prepare(a.input, a.output_dir, a.name, a.kind, a.tokenizer, a.max_length, a.overlong,
-                         a.skip_invalid, a.val_fraction, a.prompt_template, a.overwrite)
+                         a.skip_invalid, a.val_fraction, a.prompt_template, a.overwrite,
+                         a.max_record_bytes)
     except (R.RecordError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

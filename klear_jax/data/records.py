@@ -2,7 +2,10 @@
 
 Files are never loaded whole: JSONL is read line by line and Parquet batch by batch
 (pyarrow `iter_batches`). Every record carries its origin (file, 1-based line or row), so
-a malformed record is reported as `path:line: problem`.
+a malformed record is reported as `path:line: problem`. Malformed means: a line over
+`max_record_bytes` (never read into memory whole: checked before parsing, so before any
+tokenising), invalid UTF-8, invalid JSON (including integers over Python's digit limit),
+nesting deeper than MAX_DEPTH, or a string holding an unpaired surrogate (`"\\ud800"`).
 
 Record schemas accepted (extra keys are ignored):
   SFT       {"messages": [{"role": ..., "content": ...}, ...]}  or
@@ -23,6 +26,11 @@ from typing import Any, Iterator, Sequence
 
 KINDS = ("sft", "rl_math", "rl_code")
 ROLES = ("system", "user", "assistant", "tool")
+# Tokenising costs ~170 bytes of memory per byte of text (HF fast tokenizers): `prepare` on
+# one 2 MiB SFT record peaks at ~610 MiB, on a 4 MiB one at ~960 MiB. Raise it
+# (--max_record_bytes) for rl_code records with large tests: only their prompt is tokenised.
+DEFAULT_MAX_RECORD_BYTES = 2 << 20
+MAX_DEPTH = 64  # real records nest < 10 deep
 
 
 class RecordError(ValueError):
@@ -61,12 +69,13 @@ def _is_parquet(path: str) -> bool:
     return path.endswith((".parquet", ".pq"))
 
 
-def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024,
-                     strict: bool = True) -> Iterator[RawRecord]:
+def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024, strict: bool = True,
+                     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[RawRecord]:
     """Yields records one at a time.
 
-    Bad JSON raises RecordError naming file and line, or with strict=False is yielded as a
-    RawRecord whose `error` says what is wrong (so the caller can count and skip it).
+    A malformed record (see the module docstring) raises RecordError naming file and line,
+    or with strict=False is yielded as a RawRecord whose `error` says what is wrong (so the
+    caller can count and skip it).
     """
     for path in paths:
         if _is_parquet(path):
@@ -76,21 +85,77 @@ def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024,
             for batch in pq.ParquetFile(path).iter_batches(batch_size=parquet_batch_rows):
                 for data in batch.to_pylist():
                     row += 1
-                    yield RawRecord(path, row, data)
+                    problem = check_value(data, max_record_bytes)
+                    if problem and strict:
+                        raise RecordError(path, row, problem)
+                    yield RawRecord(path, row, None if problem else data, problem)
         else:
-            with open(path, "r", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
+            with open(path, "rb") as f:
+                for lineno, line in _lines(f, max_record_bytes):
+                    if isinstance(line, bytes) and not line.strip():
                         continue
-                    try:
-                        data = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        msg = f"invalid JSON: {e.msg} (column {e.colno})"
-                        if strict:
-                            raise RecordError(path, lineno, msg) from None
-                        yield RawRecord(path, lineno, None, msg)
-                        continue
-                    yield RawRecord(path, lineno, data)
+                    data, problem = _parse_line(line, max_record_bytes)
+                    if problem and strict:
+                        raise RecordError(path, lineno, problem)
+                    yield RawRecord(path, lineno, data, problem)
+
+
+def _lines(f, limit: int) -> Iterator[tuple[int, bytes | int]]:
+    """(line number, line) of a binary file; a line over `limit` bytes comes as its byte
+    count instead, read through in 1 MiB pieces so it is never held whole."""
+    lineno = 0
+    while line := f.readline(limit + 1):
+        lineno += 1
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield lineno, line
+            continue
+        size = len(line)
+        while (piece := f.readline(1 << 20)):
+            size += len(piece)
+            if piece.endswith(b"\n"):
+                break
+        yield lineno, size
+
+
+def _parse_line(line: bytes | int, limit: int) -> tuple[Any, str | None]:
+    """(value, None) or (None, problem)."""
+    if isinstance(line, int):
+        return None, f"record is {line} bytes, over the {limit}-byte limit (max_record_bytes)"
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"invalid UTF-8 at byte {e.start} ({e.reason})"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON: {e.msg} (column {e.colno})"
+    except RecursionError:
+        return None, f"nested deeper than {MAX_DEPTH} levels"
+    except ValueError as e:  # e.g. an integer over Python's 4300-digit limit
+        return None, f"invalid JSON: {e}"
+    return (None, problem) if (problem := check_value(data)) else (data, None)
+
+
+def check_value(value: Any, max_bytes: int | None = None) -> str | None:
+    """The problem with a decoded record (nesting over MAX_DEPTH, an unpaired surrogate, or
+    strings over `max_bytes` in total), or None. Iterative: deep values cannot overflow it."""
+    stack, size = [(value, 1)], 0
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"nested deeper than {MAX_DEPTH} levels"
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, str):
+            try:
+                size += len(v.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                return f"string with an unpaired surrogate ({v[e.start]!r})"
+    if max_bytes is not None and size > max_bytes:
+        return f"record is {size} bytes of text, over the {max_bytes}-byte limit (max_record_bytes)"
+    return None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -167,6 +232,10 @@ def parse_tests(d: dict) -> dict:
             t = json.loads(t)
         except json.JSONDecodeError as e:
             raise ValueError(f"field {key!r} is not valid JSON: {e.msg}") from None
+        except (RecursionError, ValueError) as e:
+            raise ValueError(f"field {key!r} is not valid JSON: {type(e).__name__}") from None
+        if problem := check_value(t):
+            raise ValueError(f"field {key!r}: {problem}")
     if not isinstance(t, dict):
         raise ValueError(f"field {key!r} must be an object, got {type(t).__name__}")
     ins, outs = t.get("inputs"), t.get("outputs")
@@ -179,6 +248,16 @@ def parse_tests(d: dict) -> dict:
     if "fn_name" in t and not isinstance(t["fn_name"], str):
         raise ValueError(f"field {key!r}: 'fn_name' must be a string")
     return t
+
+
+def _finite(answer: str) -> bool:
+    """False for answers that read as a non-finite number: NaN, inf, 1e999 (strings or JSON
+    numbers); integers of any length are finite."""
+    try:
+        value = float(answer)
+    except ValueError:
+        return True  # not a plain number (an expression, an interval, ...)
+    return math.isfinite(value) or answer.strip().lstrip("+-").isdigit()
 
 
 def rl_fields(d: Any, kind: str) -> dict[str, Any]:
@@ -196,6 +275,8 @@ def rl_fields(d: Any, kind: str) -> dict[str, Any]:
         out["answer"] = str(a)
         if not out["answer"].strip():
             raise ValueError("field 'answer' is empty")
+        if not _finite(out["answer"]):
+            raise ValueError(f"field 'answer' is not finite ({out['answer'][:20]!r}): no answer can equal it")
     elif kind == "rl_code":
         out["tests"] = parse_tests(d)
     else:

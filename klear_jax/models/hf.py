@@ -145,7 +145,6 @@ def from_hf(hf_dir: str, dtype: str = "float32", param_dtype: str | None = None,
                 arr = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx: host[idx])
             else:
                 arr = jax.device_put(host)
-            del host
             return var.replace(arr)
 
         state = jax.tree_util.tree_map_with_path(
