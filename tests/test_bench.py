@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from klear_jax.bench import driver as bench
-from klear_jax.bench import measure, workloads
+from klear_jax.bench import gpu, measure, workloads
 from klear_jax.flops import train_flops_per_token
 
 
@@ -64,7 +64,7 @@ def test_ratios_and_targets():
     assert r["sample_vs_reference"] == pytest.approx(1.2)
     assert r["jax_vs_torch_matmul_peak"] == pytest.approx(0.7)
     t = bench.targets(r)
-    assert t["train_vs_reference"]["met"] and not t["train_mfu_vs_jax_peak"]["met"]
+    assert t["train_vs_reference"]["met"] and "train_mfu_vs_jax_peak" not in t  # reported only
     assert not t["sample_vs_reference"]["met"] and t["decode_cost_1024_vs_64"]["met"]
     assert not t["compile_32_vs_2_layers"]["met"]
     assert "MISSED" in bench.table({"targets": t})
@@ -193,3 +193,49 @@ def test_quick_scale(tmp_path):
     assert all(_pos(r["tokens_per_s"]) and _pos(r["compile_s"]) for r in sc["seq"])
     assert [r["num_layers"] for r in sc["compile"]] == [1, 2]
     assert all(_pos(r["compile_s"]) for r in sc["compile"]) and _pos(sc["compile_ratio"])
+
+
+def test_gpu_ratios_targets_and_table():
+    res = {"gpu_train": {"shapes": [
+               {"batch": 4, "seq_len": 4096, "tokens_per_s": 30000.0, "mfu": 0.5, "memory": {}},
+               {"batch": 1, "seq_len": 16384, "tokens_per_s": 20000.0, "mfu": 0.4, "memory": {}}]},
+           "gpu_reference": {"shapes": [{"tokens_per_s": 20000.0, "mfu": 0.3},
+                                        {"tokens_per_s": 17000.0, "mfu": 0.26}],
+                             "generate_tokens_per_s": 3000.0},
+           "gpu_sample": {"tokens_per_s": 16000.0, "decode_vs_roofline": 1.8, "prompts": 64,
+                          "prompt_len": 256, "new_tokens": 512, "decode_step_s": 0.0036,
+                          "roofline_step_s": 0.002}}
+    r = gpu.ratios(res)
+    assert r["train_4x4096_vs_reference"] == pytest.approx(1.5)
+    assert r["train_1x16384_vs_reference"] == pytest.approx(20 / 17)
+    assert r["sample_vs_reference"] == pytest.approx(16 / 3)
+    t = bench.targets(r, gpu.TARGETS)
+    assert t["train_4x4096_vs_reference"]["met"] and not t["train_1x16384_vs_reference"]["met"]
+    assert t["train_4x4096_mfu"]["met"] and not t["train_1x16384_mfu"]["met"]
+    assert t["sample_vs_reference"]["met"] and not t["decode_step_vs_roofline"]["met"]
+    res["targets"] = t
+    text = gpu.table(res)
+    assert "4 x 4096" in text and "MISSED" in text and "PyTorch generate" in text
+
+
+def test_decode_roofline_counts_weights_and_filled_cache():
+    cfg = gpu.model_config(quick=True)
+    roof = gpu.decode_roofline(cfg, rows=4, prompt_len=8, new_tokens=8, bytes_per_s=1e9)
+    kv = 2 * cfg.num_layers * 4 * 12 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert roof["kv_bytes"] == kv and roof["weight_bytes"] > 0
+    assert roof["roofline_step_s"] == pytest.approx((kv + roof["weight_bytes"]) / 1e9)
+
+
+def test_gpu_preset_quick_runs_on_cpu(tmp_path):
+    """The accelerator preset's code end to end at --quick sizes on the CPU (JAX and the
+    torch reference): schema and positive numbers, no timings asserted."""
+    out = tmp_path / "gpu.json"
+    res = bench.main(["--preset", "gpu-1.7b", "--quick", "--out", str(out)])
+    for w in gpu.WORKLOADS:
+        assert "error" not in res[w], res[w]
+    assert [(s["batch"], s["seq_len"]) for s in res["gpu_train"]["shapes"]] == [(2, 32), (1, 64)]
+    assert all(_pos(s["tokens_per_s"]) and _pos(s["mfu"]) for s in res["gpu_train"]["shapes"])
+    assert _pos(res["gpu_sample"]["decode_vs_roofline"])
+    assert _pos(res["gpu_reference"]["generate_tokens_per_s"])
+    assert {"train_2x32_vs_reference", "sample_vs_reference"} <= set(res["ratios"])
+    assert json.loads(out.read_text())["workload"] == "gpu-1.7b-quick"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import fnmatch
 import json
 import os
 import platform
@@ -14,14 +15,18 @@ import time
 
 import jax
 
+from klear_jax.bench import gpu
 from klear_jax.bench.measure import round_orders
 from klear_jax.bench.workloads import (run_reference_workload, run_sample, run_scale,
                                        run_train, sizes)
 
 WORKLOADS = ("train", "sample", "reference", "scale")
+# --preset: the CPU bench (bench-small) or an accelerator preset (klear_jax.bench.gpu).
+PRESETS = {"small": WORKLOADS, "gpu-1.7b": gpu.WORKLOADS}
 # The number each workload's repeated runs are ranked by (``--rounds``).
 HEADLINE = {"train": "tokens_per_s", "sample": "tokens_per_s",
-            "reference": "train_tokens_per_s", "scale": "compile_ratio"}
+            "reference": "train_tokens_per_s", "scale": "compile_ratio",
+            "gpu_train": "wall_s", "gpu_sample": "tokens_per_s", "gpu_reference": "wall_s"}
 # Numbers that come from their own median run, with the ones measured with them: the
 # reference's generate (so the sample ratio pairs medians with medians) and the sampler's
 # decode cost ratio (a target of its own, not ranked by generate tokens/s).
@@ -32,9 +37,9 @@ PER_ROUND = {"train": ("mfu",)}
 
 
 # ----------------------------------------------------------------------------- driver
-TARGETS = (  # (name, value path, comparison, threshold)
+# CPU regression checks (the numbers users care about come from accelerators: gpu.TARGETS).
+TARGETS = (  # (ratio name or glob, comparison, threshold)
     ("train_vs_reference", ">=", 1.0),
-    ("train_mfu_vs_jax_peak", ">=", 0.7),
     ("sample_vs_reference", ">=", 1.5),
     ("decode_cost_1024_vs_64", "<=", 1.5),
     ("compile_32_vs_2_layers", "<=", 1.5),
@@ -68,12 +73,15 @@ def malloc_preload(choice: str) -> str | None:
     return lib
 
 
-def worker_env(threads: int, preload: str | None = None) -> dict:
-    """The environment every workload process gets: CPU JAX with one device, the same
-    intra-op thread count for XLA (Eigen pool = all cores) and torch (set explicitly), and
-    ``preload`` (an allocator library, see ``malloc_preload``) ahead of any LD_PRELOAD."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2")
+def worker_env(threads: int, preload: str | None = None, accelerator: bool = False) -> dict:
+    """The environment every workload process gets: CPU JAX with one device (unless
+    ``accelerator``: JAX's default backend), the same intra-op thread count for XLA (Eigen
+    pool = all cores) and torch (set explicitly), and ``preload`` (an allocator library, see
+    ``malloc_preload``) ahead of any LD_PRELOAD."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    if not accelerator:
+        env["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
@@ -93,12 +101,14 @@ def loaded_allocator() -> str:
 
 def run_worker(name: str, quick: bool, threads: int) -> dict:
     fns = {"train": run_train, "sample": run_sample, "scale": run_scale,
-           "reference": lambda q: run_reference_workload(q, threads)}
+           "reference": lambda q: run_reference_workload(q, threads),
+           "gpu_train": gpu.run_gpu_train, "gpu_sample": gpu.run_gpu_sample,
+           "gpu_reference": lambda q: gpu.run_gpu_reference(q, threads)}
     t0 = time.perf_counter()
     out = fns[name](quick)
     out["wall_s"] = time.perf_counter() - t0
     out["allocator"] = loaded_allocator()
-    if name != "reference":
+    if "reference" not in name:
         out["jax_version"] = jax.__version__
         out["jax_devices"] = [str(d) for d in jax.devices()]
     return out
@@ -110,8 +120,8 @@ def spawn(name: str, quick: bool, threads: int, timeout: float,
         path = os.path.join(d, f"{name}.json")
         cmd = [sys.executable, "-m", "klear_jax.bench", "--worker", name, "--worker-out", path,
                "--threads", str(threads)] + (["--quick"] if quick else [])
-        p = subprocess.run(cmd, env=worker_env(threads, preload), capture_output=True, text=True,
-                           timeout=timeout)
+        env = worker_env(threads, preload, accelerator=name.startswith("gpu"))
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0 or not os.path.exists(path):
             return {"error": f"workload {name!r} exited with {p.returncode}",
                     "stderr_tail": p.stderr[-3000:]}
@@ -180,10 +190,11 @@ def ratios(res: dict) -> dict:
     return out
 
 
-def targets(r: dict) -> dict:
+def targets(r: dict, table=TARGETS) -> dict:
+    """{ratio: value, target, met} for every ratio a (glob) name of ``table`` matches."""
     out = {}
-    for name, op, thr in TARGETS:
-        if name in r:
+    for pattern, op, thr in table:
+        for name in sorted(fnmatch.filter(r, pattern)):
             v = r[name]
             out[name] = {"value": v, "target": f"{op} {thr}",
                          "met": bool(v >= thr if op == ">=" else v <= thr)}
@@ -237,8 +248,12 @@ def table(res: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description="klear_jax benchmarks (see module docstring)")
     p.add_argument("--out", help="write all results as JSON here")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated subset of {WORKLOADS}")
+    p.add_argument("--preset", default="small", choices=tuple(PRESETS),
+                   help="small: the CPU bench (bench-small); gpu-1.7b: Qwen3-1.7B shape on one "
+                        "accelerator vs PyTorch on the same card (klear_jax.bench.gpu)")
+    p.add_argument("--workloads", default="",
+                   help="comma-separated subset of the preset's workloads (default: all): "
+                        + "; ".join(f"{k}: {','.join(v)}" for k, v in PRESETS.items()))
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--threads", type=int, default=_threads())
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per workload")
@@ -248,7 +263,7 @@ def main(argv=None) -> dict:
                         "keeps every run whole under 'runs'")
     p.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
                    help="allocator of every workload process: auto = tcmalloc when installed")
-    p.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=sum(PRESETS.values(), ()), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
@@ -256,12 +271,15 @@ def main(argv=None) -> dict:
         with open(a.worker_out, "w") as f:
             json.dump(res, f)
         return res
-    names = [w.strip() for w in a.workloads.split(",") if w.strip()]
-    bad = [w for w in names if w not in WORKLOADS]
+    allowed = PRESETS[a.preset]
+    names = [w.strip() for w in a.workloads.split(",") if w.strip()] or list(allowed)
+    bad = [w for w in names if w not in allowed]
     if bad:
-        p.error(f"--workloads: unknown {bad}; choose from {WORKLOADS}")
-    res = {"workload": "bench-quick" if a.quick else "bench-small",
-           "model": dict(sizes(a.quick)["model"], dtype="float32"),
+        p.error(f"--workloads: unknown {bad} for --preset {a.preset}; choose from {allowed}")
+    accelerator = a.preset != "small"
+    model = gpu.preset(a.quick)["model"] if accelerator else dict(sizes(a.quick)["model"],
+                                                                   dtype="float32")
+    res = {"workload": f"{a.preset}{'-quick' if a.quick else ''}", "model": model,
            "command": "python -m klear_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
@@ -280,11 +298,11 @@ def main(argv=None) -> dict:
                 res.setdefault("rounds", {}).update(round_values(w, runs[w]))
                 res["runs"] = {w: rs for w, rs in runs.items() if rs}  # every run, whole
             res["machine"] = machine_info(a.threads, preload)
-            res["ratios"] = ratios(res)
-            res["targets"] = targets(res["ratios"])
+            res["ratios"] = gpu.ratios(res) if accelerator else ratios(res)
+            res["targets"] = targets(res["ratios"], gpu.TARGETS if accelerator else TARGETS)
             if a.out:  # after every workload, so a long run keeps what it has measured
                 with open(a.out, "w") as f:
                     json.dump(res, f, indent=2)
-    print(table(res))
+    print(gpu.table(res) if accelerator else table(res))
     return res
 

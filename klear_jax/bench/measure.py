@@ -24,18 +24,19 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def jax_matmul_peak(n: int, reps: int) -> dict:
-    """float32 [n, n] @ [n, n] throughput of a jitted jnp.dot, compiled with XLA's default
-    options and with the CPU training options the train step uses (Eigen instead of
-    YNNPACK; ``backend.CPU_TRAINING_COMPILER_OPTIONS``), timed interleaved: best and median
-    of ``reps`` per variant. ``peak_flops`` is the best of both, the MFU denominator."""
+def jax_matmul_peak(n: int, reps: int, dtype=jnp.float32) -> dict:
+    """[n, n] @ [n, n] throughput of a jitted jnp.dot in ``dtype``: best and median of
+    ``reps`` timed calls. On CPU it is also compiled with the train step's options (Eigen
+    dots; ``backend.CPU_TRAINING_COMPILER_OPTIONS``), timed interleaved, and ``peak_flops``
+    is the best variant's: the MFU denominator."""
     ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.float32)
-    b = jax.random.normal(kb, (n, n), jnp.float32)
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
     lowered = jax.jit(jnp.dot).lower(a, b)
-    variants = {"default": lowered.compile(),
-                "training_options": lowered.compile(
-                    compiler_options=CPU_TRAINING_COMPILER_OPTIONS)}
+    variants = {"default": lowered.compile()}
+    if jax.default_backend() == "cpu":
+        variants["training_options"] = lowered.compile(
+            compiler_options=CPU_TRAINING_COMPILER_OPTIONS)
     times = {name: [] for name in variants}
     for f in variants.values():
         f(a, b).block_until_ready()
@@ -45,12 +46,28 @@ def jax_matmul_peak(n: int, reps: int) -> dict:
             f(a, b).block_until_ready()
             times[name].append(time.perf_counter() - t0)
     flops = 2.0 * n ** 3
-    out = {"n": n, "by_options": {name: {"peak_flops": flops / min(ts),
-                                         "median_flops": flops / statistics.median(ts)}
-                                  for name, ts in times.items()}}
+    out = {"n": n, "dtype": jnp.dtype(dtype).name,
+           "by_options": {name: {"peak_flops": flops / min(ts),
+                                 "median_flops": flops / statistics.median(ts)}
+                          for name, ts in times.items()}}
     best = max(out["by_options"].values(), key=lambda r: r["peak_flops"])
     out.update(best)
     return out
+
+
+def copy_bandwidth(n_bytes: int, reps: int) -> dict:
+    """Device memory bandwidth of a jitted elementwise pass over an ``n_bytes`` bf16 array
+    (reads and writes it once: 2 x n_bytes moved): best of ``reps``, bytes/s."""
+    x = jnp.ones((n_bytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda v: v * 2)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return {"bytes": n_bytes, "bytes_per_s": 2.0 * n_bytes / min(times),
+            "median_bytes_per_s": 2.0 * n_bytes / statistics.median(times)}
 
 
 def bracket_peak(before: dict, after: dict) -> dict:

@@ -20,21 +20,30 @@ import numpy as np
 from klear_jax.bench.measure import bracket_peak
 
 
-def torch_matmul_peak(n: int, reps: int) -> dict:
-    """float32 [n, n] @ [n, n] throughput: best and median of ``reps`` timed calls."""
+def torch_matmul_peak(n: int, reps: int, device: str = "cpu", dtype=None) -> dict:
+    """[n, n] @ [n, n] throughput (float32 unless ``dtype``): best and median of ``reps``
+    timed calls on ``device``."""
     import torch
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g)
-    b = torch.randn(n, n, generator=g)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype or torch.float32)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype or torch.float32)
     torch.mm(a, b)
     times = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         torch.mm(a, b)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     flops = 2.0 * n ** 3
     return {"n": n, "peak_flops": flops / min(times),
             "median_flops": flops / statistics.median(times)}
+
+
+def _sync(device: str) -> None:
+    import torch
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 def make_model(cfg):
@@ -45,7 +54,7 @@ def make_model(cfg):
                      intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False,
+                     rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
                      max_position_embeddings=cfg.max_position_embeddings,
                      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
@@ -128,4 +137,75 @@ def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, ste
     out["generate_tokens_per_s"] = ids.shape[0] * new_tokens / out["generate_s"]
     out["ttft_s"] = ttft
     out["decode"] = "sampling T=1, no top-k/top-p, use_cache=True"
+    return out
+
+
+def run_reference_accelerator(cfg, batches: list[dict], prompts: np.ndarray, new_tokens: int,
+                              steps: int, matmul_n: int, matmul_reps: int, threads: int) -> dict:
+    """The GPU reference: f32 weights under bf16 autocast, sdpa, gradient checkpointing,
+    fused AdamW; the train step at each batch's shape, then ``generate`` with bf16 weights."""
+    import torch
+    import transformers
+    torch.set_num_threads(threads)
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"  # CPU: the --quick smoke test of this same code
+    peak = lambda: torch_matmul_peak(matmul_n, matmul_reps, dev, torch.bfloat16)  # noqa: E731
+    before = peak()
+    model = make_model(cfg).to(dev)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1, fused=gpu)
+    out = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+           "attn_implementation": "sdpa", "precision": "autocast bf16 over f32 weights",
+           "device": torch.cuda.get_device_name() if gpu else "cpu", "shapes": []}
+    for host in batches:
+        batch = {k: torch.from_numpy(np.asarray(v)).to(dev) for k, v in host.items()}
+        for k in ("input_ids", "targets"):
+            batch[k] = batch[k].long()
+        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16):
+            logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
+            batch["old_logp"] = torch.log_softmax(logits, -1).gather(
+                -1, batch["targets"][..., None])[..., 0]
+            del logits
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                loss = train_loss(model, batch)
+            loss.backward()
+            opt.step()
+
+        step()  # warm-up
+        times = []
+        for _ in range(steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            step()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        B, T = batch["input_ids"].shape
+        med = statistics.median(times)
+        out["shapes"].append({"batch": B, "seq_len": T, "step_s": med, "step_times_s": times,
+                              "tokens_per_s": B * T / med,
+                              "max_memory_bytes": torch.cuda.max_memory_allocated() if gpu else 0})
+        del batch
+    out["matmul"] = bracket_peak(before, peak())
+    del opt
+    model = model.to(torch.bfloat16).eval()
+    model.config.use_cache = True
+    ids = torch.from_numpy(np.asarray(prompts)).long().to(dev)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+              top_p=1.0, use_cache=True, pad_token_id=0)
+
+    def gen(n):
+        _sync(dev)
+        t0 = time.perf_counter()
+        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(dev)
+        assert o.shape[1] == ids.shape[1] + n, o.shape
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    out["generate_s"] = statistics.median(gen(new_tokens) for _ in range(2))
+    out["generate_tokens_per_s"] = ids.shape[0] * new_tokens / out["generate_s"]
     return out
