@@ -147,8 +147,8 @@ def build_prompts(cfg, state: dict | None = None):
     from klear_jax.data.pipeline import rl_prompt_batches
     d = cfg.data
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
-    it = rl_prompt_batches(src, cfg.rollout.prompts_per_step // jax.process_count(),
-                           seed=cfg.seed, shuffle=d.shuffle,
+    # prompts_per_step is global; each process gets its contiguous share of every batch
+    it = rl_prompt_batches(src, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=d.shuffle,
                            num_epochs=d.num_epochs if d.num_epochs > 0 else None,
                            max_prompt_length=cfg.rollout.max_prompt_len)
     if state:

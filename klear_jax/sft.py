@@ -47,16 +47,18 @@ def build_model(cfg, mesh):
     return model, model.config
 
 
-def build_data(cfg, state: dict | None = None):
-    """The per-process packed-batch iterator, positioned at ``state`` when resuming."""
+def build_data(cfg, state: dict | None = None, rows=None):
+    """This process's ``rows`` of every global packed batch (default: an even split by
+    process; see pipeline.local_rows), positioned at ``state`` when resuming. The global
+    batches do not depend on the process count, so neither does ``state``."""
     import tensorflow_datasets as tfds
     from klear_jax.data.pipeline import sft_batches
     d = cfg.data
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
-    per_process = cfg.train.batch_size // jax.process_count()
-    it = sft_batches(src, batch_size=per_process, seq_len=cfg.train.seq_len, seed=cfg.seed,
-                     shuffle=d.shuffle, num_epochs=d.num_epochs if d.num_epochs > 0 else None,
-                     overlong=d.overlong, num_packing_bins=d.num_packing_bins or None)
+    it = sft_batches(src, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                     seed=cfg.seed, shuffle=d.shuffle,
+                     num_epochs=d.num_epochs if d.num_epochs > 0 else None,
+                     overlong=d.overlong, num_packing_bins=d.num_packing_bins or None, rows=rows)
     if state:
         it.set_state(state)
     return it
@@ -82,7 +84,10 @@ def run(cfg) -> dict:
         abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
         state, data_state, _ = checkpointer.restore(abstract_state)
         log.info("resumed from %s at step %d", checkpointer.dir, int(state.step))
-    data = build_data(cfg, data_state)
+    from klear_jax.data.pipeline import local_rows
+    bsh = ts.batch_sharding(mesh)
+    data = build_data(cfg, data_state, rows=local_rows(bsh, cfg.train.batch_size))
+    global_shape = (cfg.train.batch_size, cfg.train.seq_len)
     step_fn = ts.make_train_step(graphdef, optimizer, ts.make_sft_loss_fn(cfg.train.loss_agg),
                                  mesh, cfg.train.num_microbatches, shardings, schedule=schedule)
     start = int(state.step)
@@ -90,7 +95,6 @@ def run(cfg) -> dict:
     bar = metrics_lib.ProgressBar(cfg.train.total_steps, start)
     guard = ts.SkipGuard(cfg.train.max_consecutive_skips)
     preempt = ckpt.PreemptionFlag()
-    bsh = ts.batch_sharding(mesh)
 
     def save(step_state):
         checkpointer.save(step_state, data_iter=data.get_state(), config=cfg,
@@ -106,7 +110,7 @@ def run(cfg) -> dict:
                 log.warning("data exhausted after %d steps (data.num_epochs = %s)", step,
                             cfg.data.num_epochs)
                 break
-            batch = {k: jax.make_array_from_process_local_data(bsh, np.asarray(v))
+            batch = {k: jax.make_array_from_process_local_data(bsh, np.asarray(v), global_shape)
                      for k, v in local.items()}
             state, m = step_fn(state, batch)
             step += 1
