@@ -16,11 +16,13 @@ No test can hang on it: each process runs in its own session (process group) and
 with its whole group (SIGKILL) when the overall ``timeout`` passes, when the ``with`` block
 exits, or ``peer_grace`` seconds after another process of the job has died with an error
 (JAX's own failure detection should have stopped it by then; ``ProcResult.killed`` says the
-harness had to). Outputs (stdout + stderr, one file per process) are read back into
-``ProcResult.output``.
+harness had to). On Linux each process also gets SIGKILL when the test process itself dies
+(PR_SET_PDEATHSIG), so a killed pytest leaves nothing running. Outputs (stdout + stderr, one
+file per process) are read back into ``ProcResult.output``.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -41,6 +43,12 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies (Linux prctl; else nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def process_env(process_id: int, num_processes: int, coordinator: str, devices: int,
@@ -92,6 +100,7 @@ class MultiHost:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, *self.args], cwd=cwd, stdout=f, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True,
+                    preexec_fn=_die_with_parent,
                     env=process_env(i, num_processes, self.coordinator, devices_per_process,
                                     env)))
         except BaseException:
