@@ -22,10 +22,8 @@ file per process) are read back into ``ProcResult.output``.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -45,10 +43,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent dies (Linux prctl; else nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+# `python -c LAUNCHER ARGS...`: asks Linux for SIGKILL when the test process dies
+# (PR_SET_PDEATHSIG = 1; kept across exec), exits if it already has, then execs `python ARGS`.
+# A preexec_fn would do the same but makes subprocess fork() a multithreaded (JAX) process.
+LAUNCHER = """
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    if os.getppid() != int(os.environ["MULTIHOST_PARENT_PID"]):
+        os._exit(70)
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
 
 
 def process_env(process_id: int, num_processes: int, coordinator: str, devices: int,
@@ -56,9 +61,10 @@ def process_env(process_id: int, num_processes: int, coordinator: str, devices: 
     """The environment of process ``process_id``: this one's, with the JAX / klear_jax
     multi-process variables set and any inherited fake-device count replaced."""
     env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count="
-               f"{devices}".strip(), KLEAR_COORDINATOR=coordinator,
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count=")]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), KLEAR_COORDINATOR=coordinator,
                KLEAR_NUM_PROCESSES=str(num_processes), KLEAR_PROCESS_ID=str(process_id),
                PYTHONUNBUFFERED="1")
     env.update(extra or {})
@@ -97,12 +103,12 @@ class MultiHost:
             for i in range(num_processes):
                 f = open(self.logs / f"process{i}.log", "w")
                 self._files.append(f)
+                penv = process_env(i, num_processes, self.coordinator, devices_per_process, env)
+                penv["MULTIHOST_PARENT_PID"] = str(os.getpid())
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, *self.args], cwd=cwd, stdout=f, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                    env=process_env(i, num_processes, self.coordinator, devices_per_process,
-                                    env)))
+                    [sys.executable, "-c", LAUNCHER, *self.args], cwd=cwd, stdout=f,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    env=penv))
         except BaseException:
             self.kill_all()
             raise

@@ -117,12 +117,21 @@ def file_set(workdir) -> set[str]:
     return out
 
 
+EPOCHS = {"data.num_epochs": 2}  # 2 epochs of the 64 records: 8 steps, then "data_exhausted"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset, xla_cache):
-    """The uninterrupted job, 1 process x 8 devices: 6 steps, checkpoints at 3 and 6."""
+    """The uninterrupted job, 1 process x 8 devices: 2 epochs (8 steps), checkpoints at 3, 6
+    and 8. Every token of every record is trained on exactly twice (each record's length
+    capped at seq_len, summed: the batch_tokens of all steps)."""
+    import tensorflow_datasets as tfds
     w = tmp_path_factory.mktemp("ref") / "w"
-    out = run_here(**overrides(w, dataset, 6))
-    assert out == {**out, "step": 6, "stopped": "done"}
+    out = run_here(**overrides(w, dataset, 100, **EPOCHS))
+    assert out["stopped"] == "data_exhausted" and out["step"] == 8
+    src = tfds.data_source("tiny_sft", data_dir=dataset)["train"]
+    tokens = sum(min(len(src[i]["input_ids"]), 64) for i in range(len(src)))
+    assert sum(r["batch_tokens"] for r in rows(w)) == 2 * tokens
     return str(w)
 
 
@@ -131,7 +140,7 @@ def two_process_run(tmp_path_factory, dataset, xla_cache):
     """The first 3 steps of the same job as 2 processes x 4 devices (checkpoint at 3)."""
     base = tmp_path_factory.mktemp("two")
     w = str(base / "w")
-    with sft_job(base / "logs", xla_cache, **overrides(w, dataset, 3)) as job:
+    with sft_job(base / "logs", xla_cache, **overrides(w, dataset, 3, **EPOCHS)) as job:
         results = job.wait()
     assert all(r.returncode == 0 for r in results), describe(results)
     return w, results
@@ -141,8 +150,9 @@ def test_two_processes_equal_one_and_resume_on_one(two_process_run, reference, d
                                                     xla_cache, tmp_path):
     """2 x 4 devices: the same per-step loss / grad norm / token counts as 1 x 8 and the same
     saved data position; its checkpoint, restored by 1 process, continues like the
-    uninterrupted run; only process 0 wrote metrics.jsonl / TensorBoard, and process 1
-    wrote nothing but its own Orbax shards."""
+    uninterrupted run to the end of the data (so together they also trained on every token
+    twice); only process 0 wrote metrics.jsonl / TensorBoard, and process 1 wrote nothing
+    but its own Orbax shards."""
     w, results = two_process_run
     ref = rows(reference)
     assert_rows_match(rows(w), ref[:3])
@@ -155,8 +165,8 @@ def test_two_processes_equal_one_and_resume_on_one(two_process_run, reference, d
 
     resumed = str(tmp_path / "w")
     shutil.copytree(w, resumed)
-    out = run_here(**overrides(resumed, dataset, 6))
-    assert out["step"] == 6 and out["stopped"] == "done"
+    out = run_here(**overrides(resumed, dataset, 100, **EPOCHS))
+    assert out["step"] == 8 and out["stopped"] == "data_exhausted"
     assert_rows_match(rows(resumed), ref)
 
 
@@ -168,7 +178,7 @@ def test_two_process_checkpoint_restores_on_another_mesh(two_process_run, refere
     w = str(tmp_path / "w")
     shutil.copytree(two_process_run[0], w)
     with sft_job(tmp_path / "logs", xla_cache, **overrides(
-            w, dataset, 6, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})) as job:
+            w, dataset, 100, **EPOCHS, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})) as job:
         results = job.wait()
     assert all(r.returncode == 0 for r in results), describe(results)
     assert "resumed from" in results[1].output

@@ -15,7 +15,7 @@ so the records of global step k, and how they are packed into rows, depend only 
 (seed, k) and the config: 1, 2 or 8 processes train on the same global batches, and an
 iterator state saved by N processes (it is the same on all of them) restores onto M.
 Each process reads every record but finalizes only its own rows (reading is cheap next to
-a train step: a 32K-token row is 128 KiB).
+a train step: a 32K-token row of ids and mask is about 160 KiB).
 Packing may put sequences of consecutive epochs in the same row (grain's "epoch leakage").
 """
 from __future__ import annotations
