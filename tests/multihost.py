@@ -1,8 +1,8 @@
 """Run a real entry point as N JAX processes on this machine, the way a pod runs it on N hosts.
 
-    with MultiHost(["-m", "klear_jax.sft", "--config=configs/sft_tiny.py", ...],
+    with MultiHost(cli_args("klear_jax.sft", "configs/sft_tiny.py", {"workdir": w}),
                    num_processes=2, devices_per_process=4, logs=tmp_path / "logs") as job:
-        job.wait_until(lambda: os.path.exists(path))   # False if a process exited first
+        job.wait_until(has_lines(w + "/metrics.jsonl", 2))  # False if a process exited first
         job.signal(1, signal.SIGTERM)                  # one "host" only
         results = job.wait()                           # list[ProcResult], by process id
 
@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -86,14 +87,20 @@ class ProcResult:
 
 
 class MultiHost:
-    """N processes of ``python ARGS...`` forming one JAX job over a loopback coordinator."""
+    """N processes of ``python ARGS...`` forming one JAX job over a loopback coordinator.
+
+    args: after ``python`` (e.g. cli_args(...), or ["-c", CODE, ...]); logs: a directory for
+    process<i>.log (default a new temporary one); env: added to every process's environment;
+    timeout: seconds for the whole job; peer_grace: seconds the others may outlive a process
+    that died with an error; cwd: the repository root by default (``-m klear_jax...``).
+    """
 
     def __init__(self, args: Sequence[str], num_processes: int = 2, devices_per_process: int = 4,
                  logs: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  timeout: float = 900.0, peer_grace: float = 150.0, cwd: str | os.PathLike = ROOT):
         self.args, self.n = list(args), num_processes
         self.timeout, self.peer_grace = timeout, peer_grace
-        self.logs = Path(logs or (ROOT / ".multihost_logs"))
+        self.logs = Path(logs) if logs else Path(tempfile.mkdtemp(prefix="multihost_"))
         self.logs.mkdir(parents=True, exist_ok=True)
         self.coordinator = f"{LOOPBACK}:{free_port()}"
         self.procs: list[subprocess.Popen] = []
@@ -175,6 +182,30 @@ class MultiHost:
         return [ProcResult(i, p.returncode, (self.logs / f"process{i}.log").read_text(
             errors="replace"), i in self._killed, self._exited.get(i))
             for i, p in enumerate(self.procs)]
+
+
+def cli_args(module: str, config: str, overrides: dict | None = None) -> list[str]:
+    """``-m MODULE --config=CONFIG --config.KEY=VALUE...``: a klear_jax entry point's argv."""
+    return ["-m", module, f"--config={config}"] + [
+        f"--config.{k}={v}" for k, v in (overrides or {}).items()]
+
+
+def cache_env(xla_cache: str) -> dict[str, str]:
+    """Env for a shared persistent compilation cache (process 0 writes, the others read)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(xla_cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def has_lines(path: str | os.PathLike, n: int) -> Callable[[], bool]:
+    """A wait_until predicate: ``path`` (e.g. a metrics.jsonl being appended to) holds at
+    least ``n`` complete lines."""
+    def check() -> bool:
+        try:
+            with open(path) as f:
+                return f.read().count("\n") >= n
+        except FileNotFoundError:
+            return False
+    return check
 
 
 def describe(results: Sequence[ProcResult], n: int = 4000) -> str:

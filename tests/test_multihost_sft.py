@@ -21,7 +21,7 @@ import pytest
 from data_fixtures import sft_record, tok_dir, write_jsonl  # noqa: F401 (fixture)
 from klear_jax import config_utils as cu, sft
 from klear_jax.metrics import read_jsonl
-from multihost import MultiHost, ROOT, describe
+from multihost import MultiHost, ROOT, cache_env, cli_args, describe, has_lines
 
 TINY = os.path.join(ROOT, "configs", "sft_tiny.py") + ":vocab=384"
 EXACT = ("tokens", "batch_tokens", "lr", "skipped")  # integers / schedule: equal
@@ -69,26 +69,15 @@ def run_here(**kw) -> dict:
 
 def sft_job(logs, xla_cache, num_processes=2, env=None, **kw) -> MultiHost:
     """``python -m klear_jax.sft`` as ``num_processes`` processes (8 devices over all)."""
-    args = ["-m", "klear_jax.sft", f"--config={TINY}"] + [f"--config.{k}={v}" for k, v in kw.items()]
-    env = dict(env or {}, JAX_COMPILATION_CACHE_DIR=xla_cache,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    return MultiHost(args, num_processes=num_processes,
-                     devices_per_process=8 // num_processes, logs=logs, env=env)
+    return MultiHost(cli_args("klear_jax.sft", TINY, kw), num_processes=num_processes,
+                     devices_per_process=8 // num_processes, logs=logs,
+                     env={**cache_env(xla_cache), **(env or {})})
 
 
 def rows(workdir) -> list[dict]:
     return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
-def logged(path, n: int):
-    """A predicate: ``path`` (metrics.jsonl, being written) holds >= n complete rows."""
-    def check():
-        try:
-            with open(path) as f:
-                return f.read().count("\n") >= n
-        except FileNotFoundError:
-            return False
-    return check
 
 
 def assert_rows_match(got, want, rtol=1e-6):
@@ -191,7 +180,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step(dataset, xla_cache, tmp_pa
     w = str(tmp_path / "w")
     metrics = os.path.join(w, "metrics.jsonl")
     with sft_job(tmp_path / "logs", xla_cache, **overrides(w, dataset, 500, every=1000)) as job:
-        started = job.wait_until(logged(metrics, 2))
+        started = job.wait_until(has_lines(metrics, 2))
         assert started, describe(job.wait())
         job.signal(1, signal.SIGTERM)
         results = job.wait()
@@ -228,7 +217,7 @@ def test_killed_process_makes_the_other_fail_naming_it(victim, dataset, xla_cach
     metrics = os.path.join(w, "metrics.jsonl")
     with sft_job(tmp_path / "logs", xla_cache, env={"KLEAR_HEARTBEAT_TIMEOUT_S": "30"},
                  **overrides(w, dataset, 100000, every=100000)) as job:
-        started = job.wait_until(logged(metrics, 1))
+        started = job.wait_until(has_lines(metrics, 1))
         assert started, describe(job.wait())
         job.signal(victim, signal.SIGKILL)
         results = job.wait()
