@@ -178,20 +178,46 @@ def to_host(x) -> np.ndarray:
 
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+                           process_id: int | None = None,
+                           heartbeat_timeout_s: int | None = None) -> None:
     """``jax.distributed.initialize`` once per process; a no-op on a single host.
 
     On Cloud TPU VMs all arguments are discovered automatically; elsewhere they come from
-    the arguments or the env vars KLEAR_COORDINATOR / KLEAR_NUM_PROCESSES / KLEAR_PROCESS_ID.
+    the arguments or the env vars KLEAR_COORDINATOR (host:port of process 0's coordination
+    service) / KLEAR_NUM_PROCESSES / KLEAR_PROCESS_ID. A loopback coordinator (127.0.0.1,
+    localhost, ::1: several processes on one machine, as in the tests) is served on that
+    address only, not on every interface (JAX_COORDINATOR_BIND_ADDRESS still overrides).
+    KLEAR_HEARTBEAT_TIMEOUT_S (default JAX's, 100 s) bounds how long the others take to
+    fail, naming the lost process ("Task N heartbeat timeout"), when one process dies.
     """
     coordinator_address = coordinator_address or os.environ.get("KLEAR_COORDINATOR")
     num_processes = num_processes or int(os.environ.get("KLEAR_NUM_PROCESSES", "0") or 0) or None
     if process_id is None and os.environ.get("KLEAR_PROCESS_ID"):
         process_id = int(os.environ["KLEAR_PROCESS_ID"])
+    heartbeat_timeout_s = heartbeat_timeout_s or int(
+        os.environ.get("KLEAR_HEARTBEAT_TIMEOUT_S", "0") or 0)
     on_tpu_pod = bool(os.environ.get("TPU_WORKER_HOSTNAMES", "").count(","))
     if not (coordinator_address or on_tpu_pod or (num_processes or 1) > 1):
         return
     if jax.distributed.is_initialized():
         return
+    kw = {}
+    if heartbeat_timeout_s:
+        kw["heartbeat_timeout_seconds"] = heartbeat_timeout_s
+    if (coordinator_address and _is_loopback(coordinator_address)
+            and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")):
+        kw["coordinator_bind_address"] = coordinator_address
     jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+                               num_processes=num_processes, process_id=process_id, **kw)
+
+
+def _is_loopback(address: str) -> bool:
+    """True for 'host:port' addresses whose host is a loopback address or 'localhost'."""
+    import ipaddress
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

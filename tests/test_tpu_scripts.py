@@ -38,9 +38,21 @@ def script(name, *args, env=None, scripts=SCRIPTS, path_prefix=None, check=False
 
 
 def dry(name, *args, env=BASE):
-    """Run NAME with --dry-run; return each printed command as an argv list."""
+    """Run NAME with --dry-run; return each printed command as an argv list ('# ' lines,
+    run.sh's per-worker commands, aside: see worker_commands)."""
     proc = script(name, "--dry-run", *args, env=env, check=True)
-    return [shlex.split(line) for line in proc.stdout.splitlines()]
+    return [shlex.split(line) for line in proc.stdout.splitlines() if not line.startswith("# ")]
+
+
+def worker_commands(*args, env=BASE):
+    """run.sh --dry-run's '# worker N: COMMAND' lines as {N: argv}."""
+    proc = script("run.sh", "--dry-run", *args, env=env, check=True)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("# worker "):
+            w, cmd = line[len("# worker "):].split(": ", 1)
+            out[w] = shlex.split(cmd)
+    return out
 
 
 def remote_of(argv):
@@ -188,15 +200,17 @@ def test_setup_git_clone_and_code_only():
                               " && rm -f klear_jax-src.tar.gz")
 
 
-def _fake_bin(tmp_path, worker="3"):
+def _fake_bin(tmp_path, worker="3", endpoints=None):
     """gcloud that records its argv (the real one needs a project); curl that answers the
-    metadata server's agent-worker-number."""
+    metadata server's agent-worker-number and worker-network-endpoints (fails: None)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text(
         f'#!{sys.executable}\nimport json, sys\n'
         f'open({str(tmp_path / "gcloud.jsonl")!r}, "a").write(json.dumps(sys.argv[1:]) + "\\n")\n')
-    (bin_dir / "curl").write_text(f"#!/bin/sh\necho {worker}\n")
+    endpoints = "exit 22" if endpoints is None else f"echo {shlex.quote(endpoints)}"
+    (bin_dir / "curl").write_text(
+        f'#!/bin/sh\ncase "$*" in *worker-network-endpoints*) {endpoints} ;; *) echo {worker} ;; esac\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return bin_dir
@@ -275,6 +289,51 @@ def test_run_foreground_executes_on_a_worker(tmp_path):
     assert log[1:] == ["hello True its"]
     (ssh,) = dry("run.sh", "--", "python", "-c", "raise SystemExit(3)")
     assert _on_worker(remote_of(ssh), home, bin_dir).returncode == 3  # pipefail keeps the job's status
+
+
+def test_run_dry_run_prints_each_workers_command():
+    """The per-worker command: the multi-host settings a worker exports (what
+    tests/multihost.py gives each local process, with worker 0's address for 127.0.0.1)."""
+    v5p = dict(BASE, KLEAR_TPU_TYPE="v5p-64")
+    got = worker_commands("--", *GPPO, env=v5p)
+    assert list(got) == [str(i) for i in range(8)]
+    for i, argv in got.items():
+        assert argv == ["KLEAR_COORDINATOR=<worker 0 address>:8482", "KLEAR_NUM_PROCESSES=8",
+                        f"KLEAR_PROCESS_ID={i}", *GPPO]
+    got = worker_commands("--coordinator-port=9000", "--worker=0-1,5", "--", "t", env=v5p)
+    assert {w: a[0] + " " + a[2] for w, a in got.items()} == {
+        w: f"KLEAR_COORDINATOR=<worker 0 address>:9000 KLEAR_PROCESS_ID={w}" for w in "015"}
+    assert worker_commands("--", "t", env=dict(BASE, KLEAR_TPU_TYPE="v6e-8")) == {"0": ["t"]}
+    assert list(worker_commands("--", "t", env=dict(BASE, KLEAR_TPU_TYPE="v6e-64"))) == [
+        str(i) for i in range(16)]
+    assert "<N>" in worker_commands("--", "t")  # no type: the worker count is unknown
+    assert "not a TCP port" in script("run.sh", "--dry-run", "--coordinator-port=0", "--", "t",
+                                      env=BASE).stderr
+
+
+def test_run_exports_multihost_settings_on_a_worker(tmp_path):
+    """On a worker of a 4-host slice the job sees the settings from the metadata server,
+    in both endpoint formats; set ones win; a single-host slice exports none."""
+    job = ["python", "-c", "import os; print([os.environ.get('KLEAR_' + k) for k in "
+           "('COORDINATOR', 'NUM_PROCESSES', 'PROCESS_ID')])"]
+    (ssh,) = dry("run.sh", "--", *job)
+    for endpoints, coordinator in [("w-0:0:10.1.0.7,w-1:1:10.1.0.8,w-2:2:10.1.0.9,w-3:3:10.1.0.6",
+                                    "10.1.0.7"), ("t1v-w-0,t1v-w-1,t1v-w-2,t1v-w-3", "t1v-w-0")]:
+        home = _worker_home(tmp_path / coordinator)
+        bin_dir = _fake_bin(tmp_path / coordinator, worker="2", endpoints=endpoints)
+        proc = _on_worker(remote_of(ssh), home, bin_dir)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"['{coordinator}:8482', '4', '2']\n"
+        log = (home / "klear_jax/logs/main.worker2.log").read_text().splitlines()
+        assert f"main on worker 2: KLEAR_COORDINATOR={coordinator}:8482 KLEAR_NUM_PROCESSES=4 " \
+               f"KLEAR_PROCESS_ID=2 python -c" in log[0]
+    env = _env({"HOME": str(home), "KLEAR_PROCESS_ID": "7"}, path_prefix=bin_dir)
+    proc = subprocess.run(["bash", "-c", remote_of(ssh)], cwd=home, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.stdout == "['t1v-w-0:8482', '4', '7']\n", proc.stderr
+    home = _worker_home(tmp_path / "single")
+    bin_dir = _fake_bin(tmp_path / "single", worker="0", endpoints="t1v-w-0")
+    assert _on_worker(remote_of(ssh), home, bin_dir).stdout == "[None, None, None]\n"
 
 
 # One line: dry-run prints one command per line, so the job avoids literal newlines.

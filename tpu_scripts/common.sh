@@ -21,6 +21,8 @@
 #                                                (default klear_jax)
 #   KLEAR_TPU_PYTHON    --python=EXE             python on the workers (default python3.11)
 #   KLEAR_TPU_RUN       --run=NAME               job name for log/pid files (default main)
+#   KLEAR_TPU_PORT      --coordinator-port=P     port of the JAX coordination service on
+#                                                worker 0 (default 8482, JAX's on Cloud TPU)
 #   KLEAR_TPU_DRY_RUN   --dry-run                1 = print the commands, run nothing
 #
 # In dry-run mode every command that would run is printed on its own line, shell-quoted
@@ -44,6 +46,7 @@ KLEAR_TPU_REF="${KLEAR_TPU_REF:-}"
 KLEAR_TPU_DIR="${KLEAR_TPU_DIR:-klear_jax}"
 KLEAR_TPU_PYTHON="${KLEAR_TPU_PYTHON:-python3.11}"
 KLEAR_TPU_RUN="${KLEAR_TPU_RUN:-main}"
+KLEAR_TPU_PORT="${KLEAR_TPU_PORT:-8482}"
 KLEAR_TPU_DRY_RUN="${KLEAR_TPU_DRY_RUN:-0}"
 
 declare -A KLEAR_TPU_VALUE_FLAGS=(
@@ -51,7 +54,7 @@ declare -A KLEAR_TPU_VALUE_FLAGS=(
   [--accelerator-type]=KLEAR_TPU_TYPE [--bucket]=KLEAR_TPU_BUCKET
   [--runtime-version]=KLEAR_TPU_RUNTIME [--valid-until-duration]=KLEAR_TPU_VALID_UNTIL
   [--repo]=KLEAR_TPU_REPO [--ref]=KLEAR_TPU_REF [--remote-dir]=KLEAR_TPU_DIR
-  [--python]=KLEAR_TPU_PYTHON [--run]=KLEAR_TPU_RUN
+  [--python]=KLEAR_TPU_PYTHON [--run]=KLEAR_TPU_RUN [--coordinator-port]=KLEAR_TPU_PORT
 )
 
 COMMON_USAGE='Common flags (each overrides the environment variable in brackets):
@@ -69,6 +72,7 @@ COMMON_USAGE='Common flags (each overrides the environment variable in brackets)
   --remote-dir=DIR        code dir on workers, under home (default klear_jax) [KLEAR_TPU_DIR]
   --python=EXE            worker python (default python3.11)   [KLEAR_TPU_PYTHON]
   --run=NAME              job name for log and pid files (default main) [KLEAR_TPU_RUN]
+  --coordinator-port=P    JAX coordination service port on worker 0 (default 8482) [KLEAR_TPU_PORT]
   --dry-run               print the commands, one per line, and run nothing [KLEAR_TPU_DRY_RUN=1]
   -h, --help              this help'
 
@@ -157,6 +161,9 @@ validate_settings() {
   if [[ ! "$KLEAR_TPU_RUN" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]*$ ]]; then
     die "KLEAR_TPU_RUN '$KLEAR_TPU_RUN' may hold only letters, digits, '_', '.' and '-'"
   fi
+  if [[ ! "$KLEAR_TPU_PORT" =~ ^[0-9]+$ ]] || ((KLEAR_TPU_PORT < 1 || KLEAR_TPU_PORT > 65535)); then
+    die "KLEAR_TPU_PORT '$KLEAR_TPU_PORT' is not a TCP port number"
+  fi
   if [[ -n "$KLEAR_TPU_VALID_UNTIL" && "$KLEAR_TPU_QUEUED" != 1 ]]; then
     die "KLEAR_TPU_VALID_UNTIL only applies to queued resources (set KLEAR_TPU_QUEUED=1)"
   fi
@@ -205,3 +212,30 @@ on_workers() {
 # Shell snippet, run on a worker, that sets W to its 0-based worker number.
 # shellcheck disable=SC2016  # expanded on the worker, not here
 WORKER_ID_SNIPPET='W=$(curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number || hostname)'
+
+# The number of TPU VM hosts (workers) of an accelerator type: v4-N / v5p-N count TensorCores
+# (2 per chip, 4 chips per host), v5litepod-N / v6e-N count chips (up to 8 on one host, else
+# 4 per host). Fails for other types.
+hosts_of_type() {
+  local gen="${1%-*}" n="${1##*-}"
+  [[ "$n" =~ ^[0-9]+$ ]] || return 1
+  case "$gen" in
+    v4 | v5p) printf '%s' $((n > 8 ? n / 8 : 1)) ;;
+    v5litepod | v6e) printf '%s' $((n > 8 ? n / 4 : 1)) ;;
+    *) return 1 ;;
+  esac
+}
+
+# Shell snippet, run on a worker after WORKER_ID_SNIPPET: the multi-host settings of
+# klear_jax.sharding.initialize_distributed, from the metadata server as JAX's own Cloud TPU
+# detection reads them: KLEAR_PROCESS_ID = the worker number, KLEAR_NUM_PROCESSES = the number
+# of worker-network-endpoints, KLEAR_COORDINATOR = the first endpoint's address (worker 0;
+# endpoints read "name:id:ip" or "host") and KLEAR_TPU_PORT. Values already set in the
+# environment win; on a single-host slice nothing is exported.
+# shellcheck disable=SC2016  # expanded on the worker, not here
+MULTIHOST_SNIPPET='if E=$(curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints) && [ "${E#*,}" != "$E" ]; then C=${E%%,*}; export KLEAR_COORDINATOR="${KLEAR_COORDINATOR:-${C##*:}:__PORT__}" KLEAR_NUM_PROCESSES="${KLEAR_NUM_PROCESSES:-$(($(printf %s "$E" | tr -cd , | wc -c) + 1))}" KLEAR_PROCESS_ID="${KLEAR_PROCESS_ID:-$W}"; fi'
+
+# multihost_snippet: MULTIHOST_SNIPPET with the coordinator port filled in.
+multihost_snippet() {
+  printf '%s' "${MULTIHOST_SNIPPET//__PORT__/$KLEAR_TPU_PORT}"
+}

@@ -12,6 +12,11 @@ Runs COMMAND on every worker of KLEAR_TPU_NAME simultaneously (a multi-host JAX 
 must start on all hosts), inside ~/KLEAR_TPU_DIR with its .venv active. COMMAND's
 words are passed through quoted, exactly as given here. Each worker appends its
 output to ~/KLEAR_TPU_DIR/logs/RUN.worker<N>.log (RUN = KLEAR_TPU_RUN, default main).
+On a multi-host slice each worker exports, from its metadata server, the settings of
+klear_jax.sharding.initialize_distributed: KLEAR_COORDINATOR=<worker 0 address>:PORT
+(KLEAR_TPU_PORT, default 8482), KLEAR_NUM_PROCESSES=<workers>, KLEAR_PROCESS_ID=<N>.
+With --dry-run, after the gcloud command, one '# worker N: ...' line per worker shows
+the command that worker runs (all workers when KLEAR_TPU_TYPE is known).
 
   (default)      foreground: output of all workers streams here (tee to the log file);
                  the job ends if this ssh session ends
@@ -52,10 +57,11 @@ require KLEAR_TPU_PROJECT KLEAR_TPU_ZONE KLEAR_TPU_NAME
 run_name="$KLEAR_TPU_RUN"
 job="$(shjoin "${cmd[@]}")"
 # shellcheck disable=SC2016  # $W, $? and $! expand on the worker
-prefix="cd $(shquote "$KLEAR_TPU_DIR") && mkdir -p logs && . .venv/bin/activate && $WORKER_ID_SNIPPET"
+prefix="cd $(shquote "$KLEAR_TPU_DIR") && mkdir -p logs && . .venv/bin/activate && $WORKER_ID_SNIPPET && $(multihost_snippet)"
 log="logs/$run_name.worker\$W.log"
 pidfile="logs/$run_name.pid"
-header="echo \"=== \$(date -u +%FT%TZ) $run_name on worker \$W: \"$(shquote "$job") >> $log"
+hosts="\${KLEAR_COORDINATOR:+KLEAR_COORDINATOR=\$KLEAR_COORDINATOR KLEAR_NUM_PROCESSES=\$KLEAR_NUM_PROCESSES KLEAR_PROCESS_ID=\$KLEAR_PROCESS_ID }"
+header="echo \"=== \$(date -u +%FT%TZ) $run_name on worker \$W: $hosts\"$(shquote "$job") >> $log"
 if [[ "$background" == 1 ]]; then
   busy="if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then echo \"run $run_name is already running on worker \$W (pid \$(cat $pidfile))\" >&2; exit 1; fi"
   remote="$prefix && { $busy; } && $header && { nohup bash -c $(shquote "exec $job") >> $log 2>&1 < /dev/null & echo \$! > $pidfile; } && echo \"worker \$W: started pid \$(cat $pidfile), log ~/$KLEAR_TPU_DIR/$log\""
@@ -63,3 +69,27 @@ else
   remote="set -o pipefail && $prefix && $header && { $job; } 2>&1 | tee -a $log"
 fi
 on_workers "$workers" "$remote"
+
+# Dry run: the command each worker runs, with the multi-host settings it exports (in
+# ~/KLEAR_TPU_DIR with .venv active; output appended to logs/RUN.worker<N>.log).
+if [[ "$KLEAR_TPU_DRY_RUN" == 1 ]]; then
+  n=$(hosts_of_type "$KLEAR_TPU_TYPE" 2>/dev/null) || n=""
+  ids=()
+  if [[ "$workers" != all ]]; then
+    IFS=, read -ra parts <<<"$workers"
+    for p in "${parts[@]}"; do
+      for ((w = ${p%-*}; w <= ${p#*-}; w++)); do ids+=("$w"); done
+    done
+  elif [[ -n "$n" ]]; then
+    for ((w = 0; w < n; w++)); do ids+=("$w"); done
+  else
+    ids=("<N>")  # the worker count is not known here without KLEAR_TPU_TYPE
+  fi
+  for w in "${ids[@]}"; do
+    envs=""
+    if [[ "$n" != 1 ]]; then
+      envs="KLEAR_COORDINATOR=$(shquote "<worker 0 address>:$KLEAR_TPU_PORT") KLEAR_NUM_PROCESSES=$(shquote "${n:-<workers>}") KLEAR_PROCESS_ID=$(shquote "$w") "
+    fi
+    printf '# worker %s: %s%s\n' "$w" "$envs" "$job"
+  done
+fi

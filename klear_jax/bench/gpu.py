@@ -21,7 +21,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

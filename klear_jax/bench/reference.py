@@ -140,6 +140,15 @@ def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, ste
     return out
 
 
+def _autocast_step(model, opt, batch, dev) -> None:
+    import torch
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        loss = train_loss(model, batch)
+    loss.backward()
+    opt.step()
+
+
 def run_reference_accelerator(cfg, batches: list[dict], prompts: np.ndarray, new_tokens: int,
                               steps: int, matmul_n: int, matmul_reps: int, threads: int) -> dict:
     """The GPU reference: f32 weights under bf16 autocast, sdpa, gradient checkpointing,
@@ -168,19 +177,12 @@ def run_reference_accelerator(cfg, batches: list[dict], prompts: np.ndarray, new
                 -1, batch["targets"][..., None])[..., 0]
             del logits
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                loss = train_loss(model, batch)
-            loss.backward()
-            opt.step()
-
-        step()  # warm-up
+        _autocast_step(model, opt, batch, dev)  # warm-up
         times = []
         for _ in range(steps):
             _sync(dev)
             t0 = time.perf_counter()
-            step()
+            _autocast_step(model, opt, batch, dev)
             _sync(dev)
             times.append(time.perf_counter() - t0)
         B, T = batch["input_ids"].shape

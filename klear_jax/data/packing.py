@@ -37,3 +37,15 @@ def finalize_packed(b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     ids = np.where(seg > 0, ids, 0).astype(np.int32)
     pos = np.where(seg > 0, pos, 0).astype(np.int32)
     return {"input_ids": ids, "targets": targets, "loss_mask": mask, "segment_ids": seg, "positions": pos}
+
+
+def pad_rows(b: dict[str, np.ndarray], batch_size: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows ``rows`` of a packed batch [b, ...] padded to ``batch_size`` rows with zeros
+    (segment id 0: padding, no loss). Pads only the short last batch of a finite run."""
+    out = {}
+    for k, v in b.items():
+        v = np.asarray(v)
+        if v.shape[0] < batch_size:
+            v = np.concatenate([v, np.zeros((batch_size - v.shape[0],) + v.shape[1:], v.dtype)])
+        out[k] = v[rows]
+    return out

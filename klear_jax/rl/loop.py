@@ -44,11 +44,11 @@ from klear_jax.trainer import Trainer
 
 
 def build_prompts(cfg, state: dict | None = None):
-    """This process's iterator of prompt batches, positioned at ``state`` when resuming."""
+    """This process's share of every global batch of prompts (prompts_per_step is global),
+    positioned at ``state`` when resuming."""
     d = cfg.data
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
-    it = rl_prompt_batches(src, cfg.rollout.prompts_per_step // jax.process_count(),
-                           seed=cfg.seed, shuffle=d.shuffle,
+    it = rl_prompt_batches(src, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=d.shuffle,
                            num_epochs=d.num_epochs if d.num_epochs > 0 else None,
                            max_prompt_length=cfg.rollout.max_prompt_len)
     if state:

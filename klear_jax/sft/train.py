@@ -17,20 +17,22 @@ from klear_jax import metrics as metrics_lib
 from klear_jax import optim, policy
 from klear_jax import sharding as shd
 from klear_jax import train_step as ts
-from klear_jax.data.pipeline import sft_batches
+from klear_jax.data.pipeline import local_rows, sft_batches
 from klear_jax.sft.config import validate_sft_config
 from klear_jax.sft.step import build_sft_step
 from klear_jax.trainer import Trainer
 
 
-def build_data(cfg, state: dict | None = None):
-    """The per-process packed-batch iterator, positioned at ``state`` when resuming."""
+def build_data(cfg, state: dict | None = None, rows=None):
+    """This process's ``rows`` of every global packed batch (default: an even split by
+    process; see pipeline.local_rows), positioned at ``state`` when resuming. The global
+    batches do not depend on the process count, so neither does ``state``."""
     d = cfg.data
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
-    per_process = cfg.train.batch_size // jax.process_count()
-    it = sft_batches(src, batch_size=per_process, seq_len=cfg.train.seq_len, seed=cfg.seed,
-                     shuffle=d.shuffle, num_epochs=d.num_epochs if d.num_epochs > 0 else None,
-                     overlong=d.overlong, num_packing_bins=d.num_packing_bins or None)
+    it = sft_batches(src, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                     seed=cfg.seed, shuffle=d.shuffle,
+                     num_epochs=d.num_epochs if d.num_epochs > 0 else None,
+                     overlong=d.overlong, num_packing_bins=d.num_packing_bins or None, rows=rows)
     if state:
         it.set_state(state)
     return it
@@ -56,9 +58,10 @@ def run(cfg) -> dict:
             model_cfg = model.config
             graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
             del model
-        data = build_data(cfg, data_state)
-        step_fn = build_sft_step(cfg, graphdef, optimizer, schedule, mesh, shardings)
         bsh = ts.batch_sharding(mesh)
+        data = build_data(cfg, data_state, rows=local_rows(bsh, cfg.train.batch_size))
+        global_shape = (cfg.train.batch_size, cfg.train.seq_len)
+        step_fn = build_sft_step(cfg, graphdef, optimizer, schedule, mesh, shardings)
 
         def save():
             t.checkpointer.save(state, data_iter=data.get_state(), config=cfg,
@@ -73,7 +76,7 @@ def run(cfg) -> dict:
             except StopIteration:
                 t.data_exhausted(step)
                 break
-            batch = {k: jax.make_array_from_process_local_data(bsh, np.asarray(v))
+            batch = {k: jax.make_array_from_process_local_data(bsh, np.asarray(v), global_shape)
                      for k, v in local.items()}
             state, m = step_fn(state, batch)
             step += 1
