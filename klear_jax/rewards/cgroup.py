@@ -10,6 +10,7 @@ inside that cgroup only, never the trainer.
     run = cg.new_run()            # its directories exist, limits set
     ... start the run's first process with its pid written to run.procs_files ...
     run.close()                   # SIGKILL every member, wait, rmdir; run.memory_peak
+    cg.close()                    # remove this instance's group
 
 Both cgroup versions:
   v2 (Ubuntu 22.04+/TPU VMs): memory.max, memory.swap.max = 0, memory.oom.group, pids.max,
@@ -20,7 +21,8 @@ Both cgroup versions:
      memory.swappiness 0), pids.max; killed member by member (through pidfds, checking
      membership, so a recycled pid is never hit) until empty.
 
-Run cgroups live in `<parent>/klear_jax.sandbox/r<trainer pid>-<n>`. The parent is the
+Run cgroups live in `<parent>/klear_jax.sandbox/<trainer pid>-<k>/r<n>` (one group per
+Cgroups instance, so `memory_usage()` is what its runs hold). The parent is the
 trainer's own cgroup (from /proc/self/cgroup), except for root on cgroup v2, where it is
 the top of the mounted tree. It must be writable: root, or a delegated cgroup (systemd:
 `systemd-run --user --scope -p Delegate=yes -- CMD`; v1: a directory root created and
@@ -266,7 +268,8 @@ class RunCgroup:
 
 
 class Cgroups:
-    """Makes one RunCgroup per run with the given limits (see module docstring)."""
+    """Makes one RunCgroup per run with the given limits (see module docstring). Its runs
+    share a group cgroup, `<base>/<pid>-<n>` (no limit of its own), removed by close()."""
 
     _counter = itertools.count()
 
@@ -275,6 +278,9 @@ class Cgroups:
         self.memory_bytes = memory_bytes
         self.pids_max = pids_max
         self.version = max(t.version for t in trees)
+        self.name = f"{os.getpid()}-{next(self._counter)}"
+        self.groups = [os.path.join(t.base, self.name) for t in trees]
+        self._runs = itertools.count()
 
     @classmethod
     def detect(cls, memory_bytes: int, pids_max: int) -> "Cgroups":
@@ -283,7 +289,16 @@ class Cgroups:
             cls._prepare(t)
         self = cls(trees, memory_bytes, pids_max)
         self.remove_stale()
-        self.new_run().close()      # a run cgroup can be made, limited and removed
+        try:
+            for t, g in zip(trees, self.groups):
+                os.mkdir(g)
+                if t.version == 2:
+                    _enable_v2(g, t.controllers)
+            self.new_run().close()      # a run cgroup can be made, limited and removed
+        except (OSError, CgroupUnavailable) as e:
+            self.close()
+            raise CgroupUnavailable(f"cannot create a run cgroup under {self.describe()}: "
+                                    f"{e}. " + DELEGATE_HINT) from e
         return self
 
     @staticmethod
@@ -303,28 +318,25 @@ class Cgroups:
                                     + DELEGATE_HINT) from e
 
     def remove_stale(self) -> None:
-        """Remove empty run cgroups left by trainers that are gone. Their processes died
+        """Remove empty groups and runs left by trainers that are gone. Their processes died
         with them (bwrap --die-with-parent); a cgroup still holding some is left alone."""
         for t in self.trees:
             for name in os.listdir(t.base):
                 try:
-                    os.kill(int(name[1:].split("-")[0]), 0)
+                    os.kill(int(name.split("-")[0]), 0)
                     continue
                 except (ValueError, PermissionError):
                     continue
                 except ProcessLookupError:
                     pass
-                try:
-                    os.rmdir(os.path.join(t.base, name))
-                except OSError:
-                    pass
+                _rmdir_tree(os.path.join(t.base, name))
 
     def new_run(self) -> RunCgroup:
-        name = f"r{os.getpid()}-{next(self._counter)}"
+        name = f"r{next(self._runs)}"
         dirs, versions = [], []
         try:
-            for t in self.trees:
-                d = os.path.join(t.base, name)
+            for t, g in zip(self.trees, self.groups):
+                d = os.path.join(g, name)
                 os.mkdir(d)
                 dirs.append(d)
                 versions.append(t.version)
@@ -355,5 +367,28 @@ class Cgroups:
             except OSError:
                 pass
 
+    def memory_usage(self) -> int:
+        """Bytes charged to this instance's runs now, including what dead runs left behind
+        (charges of a removed cgroup move to its parent, the group)."""
+        for t, g in zip(self.trees, self.groups):
+            if "memory" in t.controllers:
+                name = "memory.current" if t.version == 2 else "memory.usage_in_bytes"
+                return int(_read(os.path.join(g, name)))
+        return 0
+
+    def close(self) -> None:
+        """Remove the group cgroups (runs must be closed)."""
+        for g in self.groups:
+            _rmdir_tree(g)
+
     def describe(self) -> str:
         return "; ".join(f"v{t.version} {'+'.join(t.controllers)} in {t.base}" for t in self.trees)
+
+
+def _rmdir_tree(d: str) -> None:
+    """rmdir d and its (empty) child cgroups, deepest first; what still has members stays."""
+    for sub, _, _ in sorted(os.walk(d), key=lambda x: -x[0].count("/")):
+        try:
+            os.rmdir(sub)
+        except OSError:
+            pass

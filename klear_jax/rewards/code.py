@@ -354,6 +354,7 @@ class CodeScorer(Closing):
     def close(self) -> None:
         self._batches.shutdown(wait=True)
         self._runs.shutdown(wait=True)
+        self.sandbox.close()
 
 
 _shared = SharedPerConfig(CodeScorer, CodeRewardConfig)

@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 from klear_jax.rewards import keyring
 from klear_jax.rewards.cgroup import CgroupUnavailable, Cgroups, RunCgroup
@@ -281,13 +282,18 @@ class Sandbox:
             probe = keyring.call(lambda: self._run_bwrap(b"print(6 * 7)", b"", 30.0))
             if probe.stdout.strip() != b"42":
                 why = probe.stderr.decode("utf-8", "replace").strip()[-600:]
-                hint = "" if self.root else " " + userns_hint()
+                userns = not self.root and any(w in why.lower() for w in (
+                    "namespace", "uid map", "uid_map", "operation not permitted"))
+                hint = " " + userns_hint() if userns else ""
                 self.missing.append(f"bubblewrap cannot start a sandbox here (status "
                                     f"{probe.status}, rc {probe.returncode}: {why!r}).{hint}")
                 self.mode = "unsandboxed"
+        if self.cgroups is not None:
+            weakref.finalize(self, self.cgroups.close)
         if self.missing:
             listing = "\n  - ".join(self.missing)
             if not cfg.allow_unsandboxed:
+                self.close()
                 raise SandboxUnavailable(
                     f"code rewards cannot contain untrusted programs on this host:\n  - "
                     f"{listing}\nFix the above (then check with `python -m "
@@ -296,6 +302,11 @@ class Sandbox:
                     f"isolation that is there ({self.mode}).")
             log.warning("sandbox running WITHOUT full isolation (allow_unsandboxed, mode %s):"
                         "\n  - %s", self.mode, listing)
+
+    def close(self) -> None:
+        """Removes this sandbox's cgroup group (also done when it is garbage collected)."""
+        if self.cgroups is not None:
+            self.cgroups.close()
 
     # ---------------------------------------------------------------- commands
     def _limits_code(self) -> str:
