@@ -34,7 +34,8 @@ def _as_user(pw, python, args, procs_files=(), timeout=300):
     cmd = ["/bin/sh", "-c", _SHIM, "sh", str(len(procs_files)), *procs_files,
            shutil.which("setpriv"), f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}",
            "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--", python, *args]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": REPO, "HOME": "/tmp", "LANG": "C.UTF-8"}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": REPO, "HOME": "/tmp",
+           "LANG": "C.UTF-8"}
     return keyring.call(lambda: subprocess.run(cmd, capture_output=True, text=True, env=env,
                                                cwd="/tmp", timeout=timeout))
 

@@ -22,8 +22,8 @@ so each concurrent run gets its own uid (61000+k, not in /etc/passwd, claimed wi
 flock under `lock_dir` so several trainers on one host never share one).
 Why kill pid 1: killing only bwrap tears the namespace down asynchronously; we SIGKILL
 the sandbox's pid 1 through a pidfd (the kernel then kills the whole pid namespace),
-wait for bwrap, kill whatever is left in the run cgroup, remove it, and finally sweep
-every process still owned by the slot uid, so the next run starts from zero.
+wait for bwrap, kill whatever is left in the run cgroup, remove it, and, releasing the
+slot, sweep every process still owned by its uid, so the next run starts from zero.
 
 When the trainer is not root, bwrap runs unprivileged with a user namespace instead
 (RLIMIT_NPROC is then charged to the namespace's ucounts) and no uid switch happens; the
@@ -503,8 +503,6 @@ class Sandbox:
                     os.close(fd)
             if cg is not None:
                 cg.close()
-            if uid is not None:
-                sweep_uid(uid)
         rc = proc.returncode
         if status == "ok" and rc not in (None, 0) and (
                 err.startswith(b"klear-sandbox:") or
