@@ -309,8 +309,12 @@ def test_fresh_session_keyring_per_run_keeps_the_trainers(tmp_path):
 
 
 def test_run_cgroup_limits_kill_and_removal():
-    cg = Cgroups.detect(memory_bytes=64 << 20, pids_max=10)
+    cg = Cgroups.detect(memory_bytes=64 << 20, pids_max=10, group_memory_bytes=128 << 20)
     try:
+        for g, t in zip(cg.groups, cg.trees):     # all runs together: the group's limit
+            if "memory" in t.controllers:
+                name = "memory.max" if t.version == 2 else "memory.limit_in_bytes"
+                assert int(open(os.path.join(g, name)).read()) == 128 << 20
         run = cg.new_run()
         for d, v in zip(run.dirs, run.versions):
             files = os.listdir(d)

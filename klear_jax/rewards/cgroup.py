@@ -283,7 +283,10 @@ class Cgroups:
         self._runs = itertools.count()
 
     @classmethod
-    def detect(cls, memory_bytes: int, pids_max: int) -> "Cgroups":
+    def detect(cls, memory_bytes: int, pids_max: int, group_memory_bytes: int = 0) -> "Cgroups":
+        """Finds and prepares the hierarchies. `group_memory_bytes` (0: none) also limits
+        all runs of this instance together, so concurrent slots cannot take the host's
+        memory from the trainer either."""
         trees = _find_trees()
         for t in trees:
             cls._prepare(t)
@@ -294,6 +297,8 @@ class Cgroups:
                 os.mkdir(g)
                 if t.version == 2:
                     _enable_v2(g, t.controllers)
+                if group_memory_bytes and "memory" in t.controllers:
+                    _limit_memory(t.version, g, group_memory_bytes)
             self.new_run().close()      # a run cgroup can be made, limited and removed
         except (OSError, CgroupUnavailable) as e:
             self.close()
@@ -347,25 +352,12 @@ class Cgroups:
         return RunCgroup(dirs, versions)
 
     def _limit(self, t: _Tree, d: str) -> None:
-        mem = str(self.memory_bytes)
         if "pids" in t.controllers:
             _write(os.path.join(d, "pids.max"), str(self.pids_max))
-        if "memory" not in t.controllers:
-            return
-        if t.version == 2:
-            _write(os.path.join(d, "memory.max"), mem)
-            for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
-                if os.path.exists(os.path.join(d, name)):
-                    _write(os.path.join(d, name), value)
-            return
-        _write(os.path.join(d, "memory.limit_in_bytes"), mem)
-        if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
-            _write(os.path.join(d, "memory.memsw.limit_in_bytes"), mem)   # RAM + swap = RAM
-        else:
-            try:
-                _write(os.path.join(d, "memory.swappiness"), "0")
-            except OSError:
-                pass
+        if "memory" in t.controllers:
+            _limit_memory(t.version, d, self.memory_bytes)
+            if t.version == 2 and os.path.exists(os.path.join(d, "memory.oom.group")):
+                _write(os.path.join(d, "memory.oom.group"), "1")   # an OOM kills the run
 
     def memory_usage(self) -> int:
         """Bytes charged to this instance's runs now, including what dead runs left behind
@@ -383,6 +375,23 @@ class Cgroups:
 
     def describe(self) -> str:
         return "; ".join(f"v{t.version} {'+'.join(t.controllers)} in {t.base}" for t in self.trees)
+
+
+def _limit_memory(version: int, d: str, limit: int) -> None:
+    """RAM limit `limit` bytes and no swap for cgroup d."""
+    if version == 2:
+        _write(os.path.join(d, "memory.max"), str(limit))
+        if os.path.exists(os.path.join(d, "memory.swap.max")):
+            _write(os.path.join(d, "memory.swap.max"), "0")
+        return
+    _write(os.path.join(d, "memory.limit_in_bytes"), str(limit))
+    if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+        _write(os.path.join(d, "memory.memsw.limit_in_bytes"), str(limit))   # RAM + swap = RAM
+    else:
+        try:
+            _write(os.path.join(d, "memory.swappiness"), "0")
+        except OSError:
+            pass
 
 
 def _rmdir_tree(d: str) -> None:

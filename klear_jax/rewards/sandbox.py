@@ -70,7 +70,8 @@ class SandboxConfig:
     max_tests: int = 16              # test cases per problem (paper: 16)
     cpu_s: int = 0                   # RLIMIT_CPU; 0 -> ceil(timeout_s) + 1
     memory_mb: int = 1024            # per run: cgroup memory.max (all processes, tmpfs, memfd,
-                                     # kernel objects; swap 0) and each process's RLIMIT_AS
+                                     # kernel objects; swap 0) and each process's RLIMIT_AS;
+                                     # all runs together: slots x this, <= half the host RAM
     nproc: int = 32                  # per run: cgroup pids.max (+4 for bwrap); RLIMIT_NPROC
     fsize_mb: int = 16               # RLIMIT_FSIZE (largest file the program may write)
     nofile: int = 64                 # RLIMIT_NOFILE
@@ -215,6 +216,12 @@ _SHIM = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || '
          'shift; n=$((n - 1)); done; exec "$@"')
 
 
+def _group_memory_bytes(cfg: SandboxConfig) -> int:
+    """All concurrent runs together: slots x memory_mb, at most half of the host's RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(cfg.slots * (cfg.memory_mb << 20), total // 2)
+
+
 def _sysctl(name: str) -> str | None:
     try:
         with open(f"/proc/sys/{name}") as f:
@@ -271,7 +278,8 @@ class Sandbox:
         else:
             self.mode = "bwrap-root" if self.root else "bwrap-user"
         try:
-            self.cgroups = Cgroups.detect(cfg.memory_mb << 20, cfg.nproc + PIDS_OVERHEAD)
+            self.cgroups = Cgroups.detect(cfg.memory_mb << 20, cfg.nproc + PIDS_OVERHEAD,
+                                          _group_memory_bytes(cfg))
         except CgroupUnavailable as e:
             self.missing.append(f"no per-run cgroup: {e}")
         if self.mode != "unsandboxed":
