@@ -22,6 +22,8 @@ from klear_jax.rewards.cgroup import Cgroups
 from klear_jax.rewards.sandbox import Sandbox, _uid_pids
 
 SECRET = "klear-secret-7f3a"
+# Slot uids per pytest-xdist worker, so two workers never share (and sweep) a uid range.
+UID0 = 62000 + 1000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
 REPO_FILE = os.path.abspath(__file__)
 
 
@@ -52,7 +54,7 @@ def env(tmp_path_factory):
     os.environ["KLEAR_TEST_SECRET"] = SECRET
     secret_file = tmp_path_factory.mktemp("trainer") / "secret.txt"
     secret_file.write_text(SECRET)
-    cfg = SandboxConfig(timeout_s=2.0, num_slots=2, uid_base=62000, uid_count=16,
+    cfg = SandboxConfig(timeout_s=2.0, num_slots=2, uid_base=UID0, uid_count=16,
                         memory_mb=512, tmpfs_mb=8, max_output_bytes=1 << 16,
                         lock_dir=str(tmp_path_factory.mktemp("locks")))
     fds_before = len(os.listdir("/proc/self/fd"))
@@ -186,15 +188,15 @@ def test_honest_call_based_passes(env):
 
 
 def test_timeout_kills_sandbox_promptly():
-    cfg = SandboxConfig(timeout_s=1.0, num_slots=1, uid_base=62100, uid_count=4)
+    cfg = SandboxConfig(timeout_s=1.0, num_slots=1, uid_base=UID0 + 100, uid_count=4)
     sb = Sandbox(cfg)
     t = time.monotonic()
     res = sb.run("import os, time\nfor _ in range(10):\n    try:\n        os.fork()\n"
                  "    except OSError:\n        pass\ntime.sleep(100)")
     assert res.status == "timeout" and time.monotonic() - t < 5
-    assert [p for u in range(62100, 62104) for p in _uid_pids(u)] == []
+    assert [p for u in range(UID0 + 100, UID0 + 104) for p in _uid_pids(u)] == []
     res = sb.run("import os\nprint(os.getuid(), len(os.listdir('/proc')))")
-    assert res.ok and int(res.stdout.split()[0]) >= 62100
+    assert res.ok and int(res.stdout.split()[0]) >= UID0 + 100
 
 
 def test_no_files_left_by_sandbox_uids(env):
@@ -216,7 +218,7 @@ def probe_scorer(tmp_path_factory):
     session keyring the way a trainer might hold one."""
     token = "klear-" + secrets.token_hex(8)
     serial = keyring.add_key("klear-test-token", token.encode())
-    cfg = dataclasses.replace(selfcheck.CONFIG, uid_base=62200, uid_count=8,
+    cfg = dataclasses.replace(selfcheck.CONFIG, uid_base=UID0 + 200, uid_count=8,
                               lock_dir=str(tmp_path_factory.mktemp("probe_locks")))
     with CodeScorer(CodeRewardConfig(sandbox=cfg)) as scorer:
         yield scorer, token, serial
@@ -238,7 +240,7 @@ def test_hostile_probe_as_root(probe_scorer, name):
 
 def test_seccomp_filter_is_what_refuses(tmp_path):
     """The same probe program without the filter escapes: the filter does the refusing."""
-    sb = Sandbox(SandboxConfig(timeout_s=5.0, num_slots=1, uid_base=62300, uid_count=2,
+    sb = Sandbox(SandboxConfig(timeout_s=5.0, num_slots=1, uid_base=UID0 + 300, uid_count=2,
                                lock_dir=str(tmp_path)))
     try:
         code = next(p.code for p in selfcheck.probes() if p.name == "seccomp")
@@ -292,7 +294,7 @@ def test_fresh_session_keyring_per_run_keeps_the_trainers(tmp_path):
         out["plain"] = subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
         out["fresh"] = keyring.call(
             lambda: subprocess.run(cmd, capture_output=True, text=True)).stdout.strip()
-        sb = Sandbox(SandboxConfig(timeout_s=5.0, num_slots=1, uid_base=62310, uid_count=2,
+        sb = Sandbox(SandboxConfig(timeout_s=5.0, num_slots=1, uid_base=UID0 + 310, uid_count=2,
                                    lock_dir=str(tmp_path)))
         sb.seccomp = None           # the keyring alone keeps the sandbox out
         out["sandbox"] = sb.run(code).stdout.decode().strip()

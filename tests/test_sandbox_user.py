@@ -15,6 +15,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ from klear_jax.rewards import keyring, selfcheck
 from klear_jax.rewards.cgroup import _find_trees, _members, _rmdir_tree
 from klear_jax.rewards.sandbox import _SHIM
 
-USER = "klearsbxtest"
+USER = "klearsbx" + os.environ.get("PYTEST_XDIST_WORKER", "gw0")   # one per xdist worker
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
                                 reason="creates a user and delegates a cgroup: needs root and useradd")
@@ -46,8 +47,14 @@ def user():
     try:
         pw = pwd.getpwnam(USER)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        USER], check=True, capture_output=True)
+        for _ in range(20):     # another worker's useradd may hold /etc/passwd's lock
+            proc = subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                                   "/usr/sbin/nologin", USER], capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"useradd {USER}: {proc.stderr}")
         pw, created = pwd.getpwnam(USER), True
     try:    # an interpreter the user can run that can import klear_jax from this checkout
         for python in dict.fromkeys([os.path.realpath(sys.executable), "/usr/bin/python3"]):
