@@ -305,9 +305,10 @@ class Sandbox:
                 raise SandboxUnavailable(
                     f"code rewards cannot contain untrusted programs on this host:\n  - "
                     f"{listing}\nFix the above (then check with `python -m "
-                    f"klear_jax.rewards.selfcheck`), or set SandboxConfig("
-                    f"allow_unsandboxed=True) (--allow_unsandboxed) to run them with only the "
-                    f"isolation that is there ({self.mode}).")
+                    f"klear_jax.rewards.selfcheck`), or set allow_unsandboxed (SandboxConfig("
+                    f"allow_unsandboxed=True); RL/eval: --config.reward.code.allow_unsandboxed="
+                    f"true; demo: --allow_unsandboxed) to run them with only the isolation "
+                    f"that is there ({self.mode}).")
             log.warning("sandbox running WITHOUT full isolation (allow_unsandboxed, mode %s):"
                         "\n  - %s", self.mode, listing)
 
