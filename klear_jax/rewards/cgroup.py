@@ -22,7 +22,8 @@ Both cgroup versions:
      membership, so a recycled pid is never hit) until empty.
 
 Run cgroups live in `<parent>/klear_jax.sandbox/<trainer pid>-<k>/r<n>` (one group per
-Cgroups instance, so `memory_usage()` is what its runs hold). The parent is the
+Cgroups instance: `memory_usage()` is what its runs hold, and an optional limit there
+caps all its concurrent runs together). The parent is the
 trainer's own cgroup (from /proc/self/cgroup), except for root on cgroup v2, where it is
 the top of the mounted tree. It must be writable: root, or a delegated cgroup (systemd:
 `systemd-run --user --scope -p Delegate=yes -- CMD`; v1: a directory root created and
@@ -239,7 +240,7 @@ class RunCgroup:
         except OSError:
             return
         try:    # the pidfd pins this process: signal it only if it is still ours
-            if pid in _members(self.dirs[0]) or any(pid in _members(d) for d in self.dirs[1:]):
+            if any(pid in _members(d) for d in self.dirs):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
         except OSError:
             pass
@@ -269,7 +270,8 @@ class RunCgroup:
 
 class Cgroups:
     """Makes one RunCgroup per run with the given limits (see module docstring). Its runs
-    share a group cgroup, `<base>/<pid>-<n>` (no limit of its own), removed by close()."""
+    share a group cgroup, `<base>/<pid>-<n>` (optionally limited as a whole), removed by
+    close()."""
 
     _counter = itertools.count()
 
@@ -277,7 +279,6 @@ class Cgroups:
         self.trees = trees
         self.memory_bytes = memory_bytes
         self.pids_max = pids_max
-        self.version = max(t.version for t in trees)
         self.name = f"{os.getpid()}-{next(self._counter)}"
         self.groups = [os.path.join(t.base, self.name) for t in trees]
         self._runs = itertools.count()

@@ -36,7 +36,7 @@ from klear_jax.rewards import keyring
 from klear_jax.rewards.cgroup import BASE
 from klear_jax.rewards.code import CodeRewardConfig, CodeScorer
 from klear_jax.rewards.sandbox import Sandbox, SandboxConfig
-from klear_jax.rewards.seccomp import DENY
+from klear_jax.rewards.seccomp import CLONE, CLONE3, DENY
 
 MARGIN_MB = 64
 CONFIG = SandboxConfig(timeout_s=8.0, memory_mb=256, num_slots=2, max_output_bytes=1 << 16)
@@ -60,8 +60,8 @@ def _stdio(expected: str) -> dict:
 
 
 def _nr(name: str) -> int:
-    return DENY[name][_ARCH_COL] if name in DENY else {"clone": (56, 220),
-                                                       "clone3": (435, 435)}[name][_ARCH_COL]
+    """This host's syscall number for `name`."""
+    return {**DENY, "clone": CLONE, "clone3": CLONE3}[name][_ARCH_COL]
 
 
 _CTYPES = ("import ctypes, errno, os, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
