@@ -125,3 +125,58 @@ def test_missing_bwrap_refuses_unless_allowed(monkeypatch):
         assert s.sandbox.mode == "unsandboxed"
         assert s.score_batch([resp("print(2*int(input()))"), resp("while True: pass")],
                              [DOUBLE, DOUBLE]) == [0.75, 0.0]
+
+
+def test_numbers_compare_exactly_and_never_raise():
+    from klear_jax.rewards.code import _values_equal
+    assert _values_equal(10 ** 30, 10 ** 30) and not _values_equal(10 ** 30, 10 ** 30 + 1)
+    assert not _values_equal(10 ** 4000, 1.5) and not _values_equal(1.5, 10 ** 4000)
+    assert _values_equal(3, 3.0) and not _values_equal(2 ** 53 + 1, 2 ** 53)   # no float trip
+    for x in (float("nan"), float("inf"), float("-inf")):
+        assert not _values_equal(x, x)
+    assert not stdout_matches("sNaN", "1") and not stdout_matches("NaN", "nan")
+    assert not stdout_matches("Infinity", "inf") and stdout_matches("sNaN", "sNaN")  # text
+    assert stdout_matches("1e999999999", "1E+999999999")
+
+
+def test_call_result_size_and_depth_capped():
+    from klear_jax.rewards.code import MAX_DEPTH, _parse_call_output
+    ok = _parse_call_output(b"n " + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH, "n")
+    assert ok[1] is None
+    for line, why in ((b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "deeper"),
+                      (b"[" * 100000 + b"]" * 100000, "RecursionError"),
+                      (b"NaN", "non-finite"), (b"[Infinity]", "non-finite"),
+                      (b"1" * 5000, "not plain JSON")):
+        value, reason = _parse_call_output(b"n " + line, "n")
+        assert value is None and why in reason, reason
+
+
+def test_one_bad_sample_never_fails_the_batch(scorer):
+    """Item 5: each pathological sample fails its test with a reason; the batch scores."""
+    call = {"fn_name": "f", "inputs": [[1]], "outputs": [1.5]}
+    batch = [
+        (resp("def f(x):\n    return 10 ** 4000"), call),                       # huge int
+        (resp("print('sNaN')"), {"inputs": [""], "outputs": ["1"]}),             # sNaN token
+        (resp("import __main__, os\nos.write(1, (__main__._nonce + ' ' + '[' * 20000 + "
+              "']' * 20000 + '\\n').encode())\nos._exit(0)"), call),             # deep JSON
+        (resp("def f(x):\n    return float('inf')"), {**call, "outputs": [float("inf")]}),
+        (resp("def f(x):\n    return 1"), {"fn_name": "f", "inputs": ["{not json"],
+                                            "outputs": [1]}),                 # bad test data
+        (resp("def f(x):\n    return 1.5"), call),                               # benign
+    ]
+    scores = scorer.score_batch_detailed([r for r, _ in batch], [t for _, t in batch])
+    assert [s.reward for s in scores] == [0.0] * 5 + [1.0]
+    reasons = [s.failures[0][1] for s in scores[:5]]
+    assert reasons[0] == "wrong answer" and reasons[1] == "wrong answer"
+    assert "RecursionError" in reasons[2] and "non-finite" in reasons[3]
+    assert reasons[4].startswith("scoring error: ValueError") and "JSON value" in reasons[4]
+    assert scores[5].failures == [] and scores[5].passed == scores[5].total == 1
+
+
+def test_dev_stdout_and_dev_stderr_are_usable(scorer):
+    """Item 6: the pipes belong to the program's uid, so reopening them works."""
+    prog = resp("import sys\nn = int(input())\nopen('/dev/stderr', 'w').write('dbg\\n')\n"
+                "with open('/dev/stdout', 'w') as f:\n    f.write(str(2 * n) + '\\n')")
+    call = resp("def f(x):\n    open('/dev/stdout', 'w').write('debug\\n')\n    return x + 1")
+    assert scorer.score_batch([prog, call], [DOUBLE, {"fn_name": "f", "inputs": [[1]],
+                                                      "outputs": [2]}]) == [0.75, 1.0]

@@ -93,3 +93,28 @@ def test_pool_warms_workers_before_the_deadline_clock_runs(monkeypatch):
         assert pool.stats["timeouts"] == 0
     from klear_jax.rewards.math import verify_answer
     assert callable(verify_answer.worker_warm_up)
+
+
+def test_hostile_answers_run_in_parallel_and_logs_are_capped(capfd):
+    """Answers that run math-verify into its timeouts: each ends inside its worker within
+    the one budget (no worker killed), a batch of them spreads over the workers, and the
+    warnings math-verify prints quote at most MAX_LOG_CHARS of the answer."""
+    from klear_jax.rewards.math import MAX_LOG_CHARS
+    hostile = R("x^" * 3000 + "2")                    # parsing runs into the alarm
+    n, workers = 8, 4
+    with MathScorer(MathRewardConfig(num_workers=workers, verify_timeout_s=1,
+                                     deadline_s=20)) as s:
+        assert s.score_batch([R("1")] * workers, ["1"] * workers) == [1.0] * workers
+        t = time.monotonic()
+        assert s.score_batch([hostile], ["2"]) == [-1.0]
+        one = time.monotonic() - t
+        t = time.monotonic()
+        assert s.score_batch([hostile] * n + [R("2")], ["2"] * (n + 1)) == [-1.0] * n + [1.0]
+        batch = time.monotonic() - t
+        assert s.pool.stats["timeouts"] == 0 and s.pool.stats["crashes"] == 0
+    assert one >= 0.9                                   # each hostile answer costs the budget
+    assert batch < n * one / 2, (batch, one)            # ... but they overlap (4 workers)
+    err = capfd.readouterr().err
+    assert err.count("Timeout during parsing") >= n, err[-500:]
+    assert err.count("Timeout during parsing") == err.count(" chars]"), err[-500:]
+    assert max(map(len, err.splitlines())) < MAX_LOG_CHARS + 80 and len(err) < 2 * n * MAX_LOG_CHARS

@@ -19,6 +19,12 @@ the trusted parent does all comparing:
   only that line, parses it as plain JSON and compares values, so a rigged __eq__,
   exiting early (sys.exit / os._exit), printing fake markers or patching print/json/exit
   cannot turn a failure into a pass: the child never sees what the right answer is.
+  Ints compare exactly, floats within 1e-9; NaN / Infinity tokens fail; the result is
+  at most `max_output_bytes` long and MAX_DEPTH deep.
+
+Scoring never raises for one sample: whatever goes wrong with one test (the program, its
+output, a huge or pathological value, even a malformed test) fails that test, and the
+reason is kept in the sample's CodeScore (`score_batch_detailed`).
 
 Reward (CodeRewardConfig.mode), p = fraction of the first `max_tests` tests passed:
     "soft" (default, the paper's) -> p;  "two_p_minus_one" (their code) -> 2p - 1;
@@ -37,10 +43,12 @@ import re
 import secrets
 
 from klear_jax.rewards.pool import Closing, SharedPerConfig
-from klear_jax.rewards.sandbox import Sandbox, SandboxConfig
+from klear_jax.rewards.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
 
 _BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
 MODES = ("soft", "two_p_minus_one", "all_or_nothing")
+MAX_DEPTH = 100           # deepest list/dict a call-based result may be
+MAX_REASON_CHARS = 200    # failure reasons kept in a CodeScore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +85,13 @@ def _lines(s: str) -> list[str]:
 
 
 def _num_tokens(line: str):
+    """The line's tokens as finite Decimals, or None (NaN, sNaN, Infinity are not numbers
+    here: they never compare equal)."""
     try:
-        return [decimal.Decimal(t) for t in line.split()]
-    except decimal.InvalidOperation:
+        nums = [decimal.Decimal(t) for t in line.split()]
+    except ArithmeticError:
         return None
+    return nums if all(n.is_finite() for n in nums) else None
 
 
 def stdout_matches(actual: str, expected: str) -> bool:
@@ -99,8 +110,17 @@ def stdout_matches(actual: str, expected: str) -> bool:
 def _values_equal(a, b) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b                      # exact, however large
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b or (math.isfinite(a) and math.isfinite(b) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9))
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (a, b)):
+            return False                   # NaN / inf never equal
+        if a == b:                         # int vs float: exact, no overflow
+            return True
+        try:
+            return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+        except OverflowError:              # an int beyond float range is not close
+            return False
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -162,15 +182,35 @@ def _call_program(src: str, fn_name: str) -> str:
     return _HARNESS % {"src": src, "fn": fn_name}
 
 
+def _reject_constant(name):
+    raise ValueError(f"non-finite number {name} in the result")
+
+
+def _too_deep(x, limit: int = MAX_DEPTH) -> bool:
+    stack = [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            if d > limit:
+                return True
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def _parse_call_output(out: bytes, nonce: str):
-    """(True, value) from the harness's nonce line, else (False, None)."""
+    """(value, None) from the harness's nonce line, else (None, why not). The output is
+    already capped at max_output_bytes; NaN/Infinity, more than MAX_DEPTH levels, or
+    anything json refuses (ints over Python's digit limit, deep nesting) is refused."""
     for line in out.decode("utf-8", "replace").splitlines():
         if line.startswith(nonce + " "):
             try:
-                return True, json.loads(line[len(nonce) + 1:])
-            except ValueError:
-                return False, None
-    return False, None
+                value = json.loads(line[len(nonce) + 1:], parse_constant=_reject_constant)
+            except (ValueError, RecursionError) as e:
+                return None, f"result is not plain JSON: {type(e).__name__}: {e}"
+            if _too_deep(value):
+                return None, f"result nested deeper than {MAX_DEPTH}"
+            return value, None
+    return None, "no result line (the function did not return)"
 
 
 def check_tests(tests: dict) -> None:
@@ -182,7 +222,18 @@ def check_tests(tests: dict) -> None:
                          f"{len(tests['outputs'])} outputs")
 
 
-def _run_one(sandbox: Sandbox, code: str, tests: dict, i: int) -> bool:
+def _run_status(res) -> str | None:
+    """Why a run cannot pass, from the sandbox's view (None: it exited 0)."""
+    if res.status != "ok":
+        return res.status + (" (out of memory)" if res.oom_kills else "")
+    if res.returncode != 0:
+        tail = res.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        return f"exit code {res.returncode}" + (f": {tail[0][:100]}" if tail[0] else "")
+    return None
+
+
+def _run_test(sandbox: Sandbox, code: str, tests: dict, i: int) -> str | None:
+    """None when test i passes, else the reason it fails."""
     fn = tests.get("fn_name")
     if fn:
         nonce = secrets.token_hex(16)
@@ -192,13 +243,27 @@ def _run_one(sandbox: Sandbox, code: str, tests: dict, i: int) -> bool:
         stdin = nonce + "\n" + json.dumps(args) + "\n"
         res = sandbox.run(_call_program(code, fn), stdin)
         if res.status != "ok":
-            return False
-        ok, value = _parse_call_output(res.stdout, nonce)
-        return ok and call_matches(value, _parse_expected(tests["outputs"][i]))
+            return _run_status(res)
+        value, why = _parse_call_output(res.stdout, nonce)
+        if why:
+            return why
+        return None if call_matches(value, _parse_expected(tests["outputs"][i])) else "wrong answer"
     res = sandbox.run(code, _text(tests["inputs"][i]))
-    if res.status != "ok" or res.returncode != 0:
-        return False
-    return stdout_matches(res.stdout.decode("utf-8", "replace"), _text(tests["outputs"][i]))
+    why = _run_status(res)
+    if why:
+        return why
+    ok = stdout_matches(res.stdout.decode("utf-8", "replace"), _text(tests["outputs"][i]))
+    return None if ok else "wrong answer"
+
+
+def _run_one(sandbox: Sandbox, code: str, tests: dict, i: int) -> str | None:
+    """_run_test that never raises: any exception fails the test, with its reason."""
+    try:
+        return _run_test(sandbox, code, tests, i)
+    except SandboxUnavailable:             # the host, not the sample: every test would fail
+        raise
+    except Exception as e:  # noqa: BLE001 - one sample must never fail the batch
+        return f"scoring error: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
 
 
 def pass_to_reward(passed: int, total: int, mode: str) -> float:
@@ -210,10 +275,22 @@ def pass_to_reward(passed: int, total: int, mode: str) -> float:
     return 1.0 if total and passed == total else 0.0
 
 
+@dataclasses.dataclass
+class CodeScore:
+    """One sample's score: its reward, and why tests failed (the sample's metadata).
+    `format` names the format penalty when the program never ran."""
+    reward: float
+    passed: int = 0
+    total: int = 0
+    failures: list = dataclasses.field(default_factory=list)   # [(test index, reason)]
+    format: str | None = None
+
+
 class CodeScorer(Closing):
     """Scores code responses concurrently on `sandbox.slots` threads (one sandbox per test).
 
     score_batch(responses, tests_list) -> rewards   (blocks; thread-safe)
+    score_batch_detailed(...) -> [CodeScore]        (rewards with failure reasons)
     submit_batch(responses, tests_list) -> Future   (returns at once; the RL loop can
                                                       keep sampling and .result() later)
     """
@@ -224,17 +301,23 @@ class CodeScorer(Closing):
         self._runs = cf.ThreadPoolExecutor(self.cfg.sandbox.slots, thread_name_prefix="sbx")
         self._batches = cf.ThreadPoolExecutor(1, thread_name_prefix="sbx-batch")
 
-    def _format(self, response: str) -> float | None:
+    def _format(self, response: str) -> CodeScore | None:
         cfg = self.cfg
         if cfg.require_open_think and "<think>" not in response:
-            return cfg.missing_open_think
+            return CodeScore(cfg.missing_open_think, format="no <think>")
         if "</think>" not in response:
-            return cfg.missing_close_think
+            return CodeScore(cfg.missing_close_think, format="no </think>")
         if extract_code(response) is None:
-            return cfg.no_code
+            return CodeScore(cfg.no_code, format="no python block after </think>")
         return None
 
     def score_batch(self, responses: list[str], tests_list: list[dict]) -> list[float]:
+        return [s.reward for s in self.score_batch_detailed(responses, tests_list)]
+
+    def score_batch_detailed(self, responses: list[str], tests_list: list[dict]) -> list[CodeScore]:
+        """Like score_batch, with each sample's passed / total and failure reasons. Raises
+        only for a malformed call (lengths, a test set without inputs/outputs) or a host
+        that cannot run the sandbox, never for what one sample's program does."""
         if len(responses) != len(tests_list):
             raise ValueError(f"code score_batch: {len(responses)} responses but "
                              f"{len(tests_list)} test sets")
@@ -258,8 +341,11 @@ class CodeScorer(Closing):
                     self._runs.submit(_run_one, self.sandbox, code, tests_list[k], i)
                     for i in range(n)]
         for k, fs in futures.items():
-            passed = sum(bool(f.result()) for f in fs)
-            rewards[k] = pass_to_reward(passed, len(fs), self.cfg.mode)
+            reasons = [f.result() for f in fs]
+            failures = [(i, why) for i, why in enumerate(reasons) if why is not None]
+            passed = len(fs) - len(failures)
+            rewards[k] = CodeScore(pass_to_reward(passed, len(fs), self.cfg.mode), passed,
+                                   len(fs), failures)
         return rewards
 
     def submit_batch(self, responses: list[str], tests_list: list[dict]) -> cf.Future:
@@ -268,6 +354,7 @@ class CodeScorer(Closing):
     def close(self) -> None:
         self._batches.shutdown(wait=True)
         self._runs.shutdown(wait=True)
+        self.sandbox.close()
 
 
 _shared = SharedPerConfig(CodeScorer, CodeRewardConfig)

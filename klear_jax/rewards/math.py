@@ -9,15 +9,26 @@ The missing-`<think>` check comes first. Set `require_open_think=False` when the
 template puts `<think>` in the prompt (Qwen3-style), so responses never contain it.
 
 The check runs in a DeadlinePool of spawned worker processes (math-verify uses signal
-alarms, which only work in a main thread); a check that passes `deadline_s` is killed and
-scores `wrong`. `math_reward` is the one-off form; the RL loop calls
-`math_reward_batch` (or `MathScorer.score_batch`) once per step.
+alarms, which only work in a main thread), so a batch's answers are checked in parallel,
+one per worker. Each check has one budget, `verify_timeout_s`, shared by parsing the gold,
+parsing the answer and every comparison (math-verify's own timeouts are per call, so a
+hostile answer could otherwise take several of them): a hostile answer ends inside its
+worker in about that time and the worker takes the next one. A check that passes
+`deadline_s` anyway (C code ignoring the alarm) is killed, its worker replaced, and it
+scores `wrong`. math-verify's log lines quote the answer; workers cap them at
+MAX_LOG_CHARS. `math_reward` is the one-off form; the RL loop calls `math_reward_batch`
+(or `MathScorer.score_batch`) once per step.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import time
 
 from klear_jax.rewards.pool import Closing, DeadlinePool, SharedPerConfig
+
+MAX_LOG_CHARS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +40,7 @@ class MathRewardConfig:
     require_open_think: bool = True    # False when the prompt already ends with <think>
     num_workers: int = 2
     deadline_s: float = 10.0           # hard per-item limit, enforced by the parent
-    verify_timeout_s: int = 5          # math-verify's own alarms, inside the worker
+    verify_timeout_s: int = 5          # one item's budget inside the worker (signal alarms)
 
 
 def _wrap_gold(answer: str) -> str:
@@ -40,20 +51,54 @@ def _wrap_gold(answer: str) -> str:
 
 
 def verify_answer(text: str, answer: str, timeout_s: int = 5) -> bool:
-    """True when the answer in `text` equals `answer` per math-verify. Runs in a pool
-    worker's main thread (math-verify's timeouts are signal alarms)."""
+    """True when the answer in `text` equals `answer` per math-verify, within one budget of
+    about `timeout_s` seconds for all of it. Runs in a pool worker's main thread
+    (math-verify's timeouts are signal alarms, whole seconds)."""
     from math_verify import parse, verify
-    gold = parse(_wrap_gold(answer), parsing_timeout=timeout_s)
-    if not gold:
+    end = time.monotonic() + timeout_s
+
+    def left() -> int:
+        return max(1, math.ceil(end - time.monotonic()))
+
+    gold = parse(_wrap_gold(answer), parsing_timeout=left())
+    if not gold or time.monotonic() >= end:
         return False
-    pred = parse(text, parsing_timeout=timeout_s)
-    if not pred:
-        return False
-    return bool(verify(gold, pred, timeout_seconds=timeout_s))
+    pred = parse(text, parsing_timeout=left())
+    for g in gold:
+        for p in pred:
+            if time.monotonic() >= end:
+                return False
+            if verify([g], [p], timeout_seconds=left()):
+                return True
+    return False
+
+
+class _CapMessage(logging.Filter):
+    """Shortens a log record's message to MAX_LOG_CHARS (math-verify logs whole answers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if len(msg) > MAX_LOG_CHARS:
+            record.msg = f"{msg[:MAX_LOG_CHARS]}... [{len(msg)} chars]"
+            record.args = ()
+        return True
+
+
+def cap_math_verify_logs() -> None:
+    """math-verify's warnings go to stderr with their text capped at MAX_LOG_CHARS."""
+    log = logging.getLogger("math_verify")
+    if not any(isinstance(f, _CapMessage) for h in log.handlers for f in h.filters):
+        handler = logging.StreamHandler()
+        handler.addFilter(_CapMessage())
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
 
 
 def _warm_up_verify_answer() -> None:
-    """Import math-verify/sympy and run one check, so a worker's first item is not slow."""
+    """Import math-verify/sympy and run one check, so a worker's first item is not slow;
+    cap math-verify's log lines."""
+    cap_math_verify_logs()
     verify_answer("\\boxed{\\frac{1}{2}}", "0.5")
 
 

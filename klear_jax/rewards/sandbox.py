@@ -1,27 +1,40 @@
-"""Run untrusted Python programs under bubblewrap, rlimits and a wall-clock deadline.
+"""Run untrusted Python programs under bubblewrap, a per-run cgroup, seccomp, rlimits and a
+wall-clock deadline.
 
 Every program the model writes runs here and nowhere else. One call, one sandbox:
 
-    bwrap (as root, privileged mode: it can bind the interpreter from /root read-only)
+    trusted parent: a fresh empty session keyring (keyring.py), a run cgroup (cgroup.py:
+      memory.max for everything the run allocates, swap 0, pids.max), stdout/stderr
+      pipes the program may reopen as /dev/stdout and /dev/stderr
+    -> /bin/sh shim: puts itself into the run cgroup, execs bwrap
+    -> bwrap (as root, privileged mode: it can bind the interpreter from /root read-only)
       new pid / net / ipc / uts / mount (/cgroup) namespaces, --die-with-parent,
       --new-session, --clearenv, root tmpfs remounted read-only, /usr + interpreter
-      read-only, private size-capped tmpfs /tmp (the working dir), tiny /dev/shm
-      -> prlimit (CPU s, address space, nproc, fsize, nofile)
-      -> setpriv: drop to an unprivileged per-slot uid, no caps, no_new_privs
-      -> python -I -B /sbx/prog.py
+      read-only, private size-capped tmpfs /tmp (the working dir), tiny /dev/shm,
+      --seccomp: the filter of seccomp.py (no namespaces, mounts, keyrings, io_uring,
+      bpf, ptrace, ...), applied to everything below
+    -> prlimit (CPU s, address space, nproc, fsize, nofile)
+    -> setpriv: drop to an unprivileged per-slot uid, no caps, no_new_privs
+    -> python -I -B /sbx/prog.py
 
-Why a per-slot uid: RLIMIT_NPROC is not enforced for root and counts per real uid, so
-each concurrent run gets its own uid (61000+k, not in /etc/passwd, claimed with an
+Why a per-slot uid: root must not run the program, and RLIMIT_NPROC counts per real uid,
+so each concurrent run gets its own uid (61000+k, not in /etc/passwd, claimed with an
 flock under `lock_dir` so several trainers on one host never share one).
 Why kill pid 1: killing only bwrap tears the namespace down asynchronously; we SIGKILL
 the sandbox's pid 1 through a pidfd (the kernel then kills the whole pid namespace),
-wait for bwrap, and finally sweep and reap every process still owned by the slot uid,
-so the next run on that uid starts from zero processes.
+wait for bwrap, kill whatever is left in the run cgroup, remove it, and, releasing the
+slot, sweep every process still owned by its uid, so the next run starts from zero.
 
 When the trainer is not root, bwrap runs unprivileged with a user namespace instead
-(RLIMIT_NPROC is then charged to the namespace's ucounts) and no uid switch happens.
-Without bwrap the runner refuses, unless `allow_unsandboxed=True`, which keeps the
-rlimits and the deadline but isolates nothing.
+(RLIMIT_NPROC is then charged to the namespace's ucounts) and no uid switch happens; the
+run cgroup then comes from a cgroup delegated to the user (cgroup.py).
+
+Construction checks the host (bubblewrap present and able to make its namespaces, a
+writable cgroup with the memory and pids controllers, a seccomp filter for this arch) by
+running a trivial program the real way; when something is missing it raises
+SandboxUnavailable saying what and how to fix it, unless `allow_unsandboxed=True`, which
+runs with whatever isolation is there (without bwrap: the rlimits and the deadline only).
+`python -m klear_jax.rewards.selfcheck` runs hostile probes on the current host.
 """
 from __future__ import annotations
 
@@ -29,6 +42,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import pwd
@@ -40,6 +54,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
+
+from klear_jax.rewards import keyring
+from klear_jax.rewards.cgroup import CgroupUnavailable, Cgroups, RunCgroup
+from klear_jax.rewards.seccomp import filter_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +69,10 @@ class SandboxConfig:
     timeout_s: float = 35.0          # wall clock per program run (paper: 35 s)
     max_tests: int = 16              # test cases per problem (paper: 16)
     cpu_s: int = 0                   # RLIMIT_CPU; 0 -> ceil(timeout_s) + 1
-    memory_mb: int = 1024            # RLIMIT_AS
-    nproc: int = 32                  # RLIMIT_NPROC, per slot uid
+    memory_mb: int = 1024            # per run: cgroup memory.max (all processes, tmpfs, memfd,
+                                     # kernel objects; swap 0) and each process's RLIMIT_AS;
+                                     # all runs together: slots x this, <= half the host RAM
+    nproc: int = 32                  # per run: cgroup pids.max (+4 for bwrap); RLIMIT_NPROC
     fsize_mb: int = 16               # RLIMIT_FSIZE (largest file the program may write)
     nofile: int = 64                 # RLIMIT_NOFILE
     tmpfs_mb: int = 32               # size of the private writable /tmp
@@ -64,7 +87,7 @@ class SandboxConfig:
     extra_ro_binds: tuple = ()       # more host paths made visible read-only
     hide_site_packages: bool = True  # stdlib only inside the sandbox
     bwrap: str = ""                  # "" -> shutil.which("bwrap"); a missing path = no bwrap
-    allow_unsandboxed: bool = False  # run WITHOUT isolation when bwrap is missing (unsafe)
+    allow_unsandboxed: bool = False  # run with what isolation the host has (unsafe; see module doc)
 
     def __post_init__(self):
         for name in ("timeout_s", "max_tests", "memory_mb", "nproc", "fsize_mb", "nofile",
@@ -86,6 +109,8 @@ class RunResult:
     stdout: bytes
     stderr: bytes
     wall_s: float
+    memory_peak: int | None = None   # the run cgroup's peak charge in bytes (None: no cgroup)
+    oom_kills: int = 0               # processes the kernel OOM-killed in the run cgroup
 
     @property
     def ok(self) -> bool:
@@ -93,7 +118,7 @@ class RunResult:
 
 
 class SandboxUnavailable(RuntimeError):
-    pass
+    """The host cannot isolate untrusted programs; the message says what is missing."""
 
 
 def _base_python() -> str:
@@ -185,8 +210,51 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+PIDS_OVERHEAD = 4   # the shim/bwrap, bwrap's pid 1 and spares, on top of cfg.nproc
+_SHIM = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || '
+         '{ echo "klear-sandbox: cannot join cgroup $1" >&2; exit 125; }; '
+         'shift; n=$((n - 1)); done; exec "$@"')
+
+
+def _group_memory_bytes(cfg: SandboxConfig) -> int:
+    """All concurrent runs together: slots x memory_mb, at most half of the host's RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(cfg.slots * (cfg.memory_mb << 20), total // 2)
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        with open(f"/proc/sys/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def userns_hint() -> str:
+    """How to let an unprivileged user run bwrap on this host (what blocks it, if seen)."""
+    hints = []
+    if _sysctl("kernel/apparmor_restrict_unprivileged_userns") == "1":
+        hints.append(
+            "AppArmor restricts unprivileged user namespaces "
+            "(kernel.apparmor_restrict_unprivileged_userns=1, Ubuntu 23.10+/24.04): give bwrap "
+            "a profile allowing them, e.g. write /etc/apparmor.d/bwrap with `abi <abi/4.0>, "
+            "include <tunables/global> profile bwrap /usr/bin/bwrap flags=(unconfined) "
+            "{ userns, }` and run `apparmor_parser -r /etc/apparmor.d/bwrap`")
+    if _sysctl("kernel/unprivileged_userns_clone") == "0":
+        hints.append("unprivileged user namespaces are off: sysctl kernel.unprivileged_userns_clone=1")
+    if _sysctl("user/max_user_namespaces") == "0":
+        hints.append("user namespaces are off: sysctl user.max_user_namespaces=15000")
+    if not hints:
+        hints.append("this process may not create user namespaces (a container without "
+                     "them, or a seccomp/LSM policy): enable them, or run the trainer as root")
+    return "; ".join(hints)
+
+
 class Sandbox:
-    """Runs programs; thread-safe (each run claims its own uid). See module docstring."""
+    """Runs programs; thread-safe (each run claims its own uid and cgroup). See module doc.
+
+    `mode`: 'bwrap-root', 'bwrap-user' or 'unsandboxed'; `missing`: what this host lacks
+    (empty unless allow_unsandboxed let it start anyway)."""
 
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg = cfg or SandboxConfig()
@@ -195,19 +263,59 @@ class Sandbox:
         self.root = os.geteuid() == 0
         self.prlimit = shutil.which("prlimit")
         self.setpriv = shutil.which("setpriv")
+        self.cpu_s = cfg.cpu_s or int(math.ceil(cfg.timeout_s)) + 1
+        self.missing: list[str] = []
+        self.cgroups: Cgroups | None = None
+        self.seccomp: bytes | None = None
+        self.mode = "unsandboxed"
         if self.bwrap is None:
-            if not cfg.allow_unsandboxed:
-                raise SandboxUnavailable(
-                    "bubblewrap (bwrap) is not installed, so untrusted code cannot be isolated. "
-                    "Install it (apt-get install bubblewrap; .ci/install_system.sh does) or set "
-                    "SandboxConfig(allow_unsandboxed=True) to run WITHOUT isolation (rlimits and "
-                    "the timeout still apply).")
-            self.mode = "unsandboxed"
+            self.missing.append(
+                "bubblewrap (bwrap) is not installed, so untrusted code cannot be isolated: "
+                "install it (apt-get install bubblewrap; .ci/install_system.sh does)")
+        elif self.root and not (self.prlimit and self.setpriv):
+            self.missing.append("the sandbox needs util-linux prlimit and setpriv on PATH "
+                                "(apt-get install util-linux)")
         else:
             self.mode = "bwrap-root" if self.root else "bwrap-user"
-            if self.root and not (self.prlimit and self.setpriv):
-                raise SandboxUnavailable("sandbox needs util-linux prlimit and setpriv on PATH")
-        self.cpu_s = cfg.cpu_s or int(math.ceil(cfg.timeout_s)) + 1
+        try:
+            self.cgroups = Cgroups.detect(cfg.memory_mb << 20, cfg.nproc + PIDS_OVERHEAD,
+                                          _group_memory_bytes(cfg))
+        except CgroupUnavailable as e:
+            self.missing.append(f"no per-run cgroup: {e}")
+        if self.mode != "unsandboxed":
+            try:
+                self.seccomp = filter_bytes()
+            except ValueError as e:
+                self.missing.append(str(e))
+            probe = keyring.call(lambda: self._run_bwrap(b"print(6 * 7)", b"", 30.0))
+            if probe.stdout.strip() != b"42":
+                why = probe.stderr.decode("utf-8", "replace").strip()[-600:]
+                userns = not self.root and any(w in why.lower() for w in (
+                    "namespace", "uid map", "uid_map", "operation not permitted"))
+                hint = " " + userns_hint() if userns else ""
+                self.missing.append(f"bubblewrap cannot start a sandbox here (status "
+                                    f"{probe.status}, rc {probe.returncode}: {why!r}).{hint}")
+                self.mode = "unsandboxed"
+        if self.cgroups is not None:
+            weakref.finalize(self, self.cgroups.close)
+        if self.missing:
+            listing = "\n  - ".join(self.missing)
+            if not cfg.allow_unsandboxed:
+                self.close()
+                raise SandboxUnavailable(
+                    f"code rewards cannot contain untrusted programs on this host:\n  - "
+                    f"{listing}\nFix the above (then check with `python -m "
+                    f"klear_jax.rewards.selfcheck`), or set allow_unsandboxed (SandboxConfig("
+                    f"allow_unsandboxed=True); RL/eval: --config.reward.code.allow_unsandboxed="
+                    f"true; demo: --allow_unsandboxed) to run them with only the isolation "
+                    f"that is there ({self.mode}).")
+            log.warning("sandbox running WITHOUT full isolation (allow_unsandboxed, mode %s):"
+                        "\n  - %s", self.mode, listing)
+
+    def close(self) -> None:
+        """Removes this sandbox's cgroup group (also done when it is garbage collected)."""
+        if self.cgroups is not None:
+            self.cgroups.close()
 
     # ---------------------------------------------------------------- commands
     def _limits_code(self) -> str:
@@ -218,7 +326,8 @@ class Sandbox:
                 f" (r.RLIMIT_NOFILE, {c.nofile}), (r.RLIMIT_CORE, 0)):\n"
                 f"    r.setrlimit(k, (v, v))\n")
 
-    def _bwrap_cmd(self, uid: int | None, prog_fd: int, info_fd: int) -> list[str]:
+    def _bwrap_cmd(self, uid: int | None, prog_fd: int, info_fd: int,
+                   seccomp_fd: int | None) -> list[str]:
         c = self.cfg
         pyhome = os.path.dirname(os.path.dirname(self.python))
         cmd = [self.bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
@@ -249,12 +358,13 @@ class Sandbox:
                 "--chdir", "/tmp", "--info-fd", str(info_fd),
                 "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
                 "--setenv", "LANG", "C.UTF-8", "--remount-ro", "/"]
-        c_ = self.cfg
+        if seccomp_fd is not None:
+            cmd += ["--seccomp", str(seccomp_fd)]
         if uid is not None:   # privileged bwrap: rlimits, then drop to the slot uid
             cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-                    self.prlimit, f"--cpu={self.cpu_s}", f"--as={c_.memory_mb << 20}",
-                    f"--nproc={c_.nproc}", f"--fsize={c_.fsize_mb << 20}",
-                    f"--nofile={c_.nofile}", "--core=0", "--",
+                    self.prlimit, f"--cpu={self.cpu_s}", f"--as={c.memory_mb << 20}",
+                    f"--nproc={c.nproc}", f"--fsize={c.fsize_mb << 20}",
+                    f"--nofile={c.nofile}", "--core=0", "--",
                     self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
                     self.python, "-I", "-B", "/sbx/prog.py"]
@@ -275,48 +385,82 @@ class Sandbox:
             stdin = stdin.encode()
         timeout_s = self.cfg.timeout_s if timeout_s is None else timeout_s
         if self.mode == "unsandboxed":
-            return self._run_unsandboxed(program, stdin, timeout_s)
-        if self.mode == "bwrap-root":
-            with _SlotLock(self.cfg) as uid:
-                return self._run_bwrap(program, stdin, timeout_s, uid)
-        return self._run_bwrap(program, stdin, timeout_s, None)
+            return keyring.call(lambda: self._run_unsandboxed(program, stdin, timeout_s))
+        return keyring.call(lambda: self._run_bwrap(program, stdin, timeout_s))
 
-    def _run_bwrap(self, program, stdin, timeout_s, uid) -> RunResult:
-        prog_fd = _memfd("prog", program)
-        in_fd = _memfd("stdin", stdin)
-        info_r, info_w = os.pipe2(os.O_CLOEXEC)
+    def _run_bwrap(self, program: bytes, stdin: bytes, timeout_s: float) -> RunResult:
+        if self.root:
+            with _SlotLock(self.cfg) as uid:
+                return self._run_bwrap_as(program, stdin, timeout_s, uid)
+        return self._run_bwrap_as(program, stdin, timeout_s, None)
+
+    def _run_bwrap_as(self, program, stdin, timeout_s, uid) -> RunResult:
+        cg = self.cgroups.new_run() if self.cgroups else None
+        child_fds, parent_fds = [], []
         try:
-            cmd = self._bwrap_cmd(uid, prog_fd, info_w)
+            prog_fd, in_fd = _memfd("prog", program), _memfd("stdin", stdin)
+            child_fds += [prog_fd, in_fd]
+            sec_fd = _memfd("seccomp", self.seccomp) if self.seccomp else None
+            if sec_fd is not None:
+                child_fds.append(sec_fd)
+            pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]    # info, stdout, stderr
+            parent_fds += [r for r, _ in pipes]
+            child_fds += [w for _, w in pipes]
+            (info_r, info_w), (out_r, out_w), (err_r, err_w) = pipes
+            if uid is not None:   # the program may reopen them (/dev/stdout): its uid owns them
+                for w in (out_w, err_w):
+                    os.fchown(w, uid, uid)
+            cmd = self._bwrap_cmd(uid, prog_fd, info_w, sec_fd)
+            if cg is not None:
+                cmd = ["/bin/sh", "-c", _SHIM, "sh", str(len(cg.procs_files)),
+                       *cg.procs_files, *cmd]
             t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, stdin=in_fd, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=(prog_fd, info_w),
-                                    env={"PATH": "/usr/bin:/bin"}, process_group=0)
+            proc = subprocess.Popen(
+                cmd, stdin=in_fd, stdout=out_w, stderr=err_w,
+                pass_fds=[prog_fd, info_w] + ([sec_fd] if sec_fd is not None else []),
+                env={"PATH": "/usr/bin:/bin"}, process_group=0)
         except BaseException:
-            os.close(info_r)
-            raise
-        finally:
-            for fd in (prog_fd, in_fd, info_w):
+            for fd in child_fds + parent_fds:
                 os.close(fd)
-        return self._supervise(proc, t0, timeout_s, info_r, uid)
+            if cg is not None:
+                cg.close()
+            raise
+        for fd in child_fds:
+            os.close(fd)
+        return self._supervise(proc, t0, timeout_s, out_r, err_r, info_r, uid, cg)
 
     def _run_unsandboxed(self, program, stdin, timeout_s) -> RunResult:
         in_fd = _memfd("stdin", stdin)
+        cg = self.cgroups.new_run() if self.cgroups else None
         with tempfile.TemporaryDirectory(prefix="klear_sbx_") as tmp:
             path = os.path.join(tmp, "prog.py")
             with open(path, "wb") as f:
                 f.write(program)
             code = self._limits_code() + f"import runpy\nrunpy.run_path({path!r}, run_name='__main__')"
+            cmd = [self.python, "-I", "-B", "-c", code]
+            if cg is not None:
+                cmd = ["/bin/sh", "-c", _SHIM, "sh", str(len(cg.procs_files)),
+                       *cg.procs_files, *cmd]
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
             t0 = time.monotonic()
             try:
-                proc = subprocess.Popen([self.python, "-I", "-B", "-c", code], stdin=in_fd,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp,
-                                        env={"PATH": "/usr/bin:/bin", "HOME": tmp},
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, stdin=in_fd, stdout=out_w, stderr=err_w, cwd=tmp,
+                    env={"PATH": "/usr/bin:/bin", "HOME": tmp}, start_new_session=True)
+            except BaseException:
+                for fd in (out_r, err_r):
+                    os.close(fd)
+                if cg is not None:
+                    cg.close()
+                raise
             finally:
-                os.close(in_fd)
-            return self._supervise(proc, t0, timeout_s, None, None)
+                for fd in (in_fd, out_w, err_w):
+                    os.close(fd)
+            return self._supervise(proc, t0, timeout_s, out_r, err_r, None, None, cg)
 
-    def _supervise(self, proc, t0, timeout_s, info_r, uid) -> RunResult:
+    def _supervise(self, proc, t0, timeout_s, out_r, err_r, info_r, uid,
+                   cg: RunCgroup | None) -> RunResult:
         cap_out, cap_err = self.cfg.max_output_bytes, self.cfg.max_stderr_bytes
         out, err, info = bytearray(), bytearray(), bytearray()
         deadline = t0 + timeout_s
@@ -324,8 +468,8 @@ class Sandbox:
         pidfd = None
         sel = selectors.DefaultSelector()
         try:
-            sel.register(proc.stdout, selectors.EVENT_READ, "out")
-            sel.register(proc.stderr, selectors.EVENT_READ, "err")
+            sel.register(out_r, selectors.EVENT_READ, "out")
+            sel.register(err_r, selectors.EVENT_READ, "err")
             if info_r is not None:
                 sel.register(info_r, selectors.EVENT_READ, "info")
             while sel.get_map():
@@ -334,10 +478,9 @@ class Sandbox:
                     status = "timeout"
                     break
                 for key, _ in sel.select(left):
-                    fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-                    chunk = os.read(fd, 1 << 16)
+                    chunk = os.read(key.fd, 1 << 16)
                     if not chunk:
-                        sel.unregister(key.fileobj)
+                        sel.unregister(key.fd)
                         if key.data == "info":
                             pidfd = self._open_pid1(info, pidfd)
                         continue
@@ -364,20 +507,19 @@ class Sandbox:
             if proc.poll() is None:
                 self._kill(proc, pidfd)
             proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
-            if info_r is not None:
-                os.close(info_r)
-            if pidfd is not None:
-                os.close(pidfd)
-            if uid is not None:
-                sweep_uid(uid)
+            for fd in (out_r, err_r, info_r, pidfd):
+                if fd is not None:
+                    os.close(fd)
+            if cg is not None:
+                cg.close()
         rc = proc.returncode
-        if status == "ok" and rc is not None and rc != 0 and self.mode != "unsandboxed" \
-                and err.startswith(b"bwrap:"):
+        if status == "ok" and rc not in (None, 0) and (
+                err.startswith(b"klear-sandbox:") or
+                (self.mode != "unsandboxed" and err.startswith(b"bwrap:"))):
             status = "error"
         return RunResult(status, rc if status == "ok" else None, bytes(out[:cap_out]),
-                         bytes(err), time.monotonic() - t0)
+                         bytes(err), time.monotonic() - t0,
+                         cg.memory_peak if cg else None, cg.oom_kills if cg else 0)
 
     @staticmethod
     def _open_pid1(info: bytearray, pidfd):
