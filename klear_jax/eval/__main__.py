@@ -3,6 +3,8 @@
 from klear_jax import config as C
 from klear_jax.data.records import RecordError
 from klear_jax.eval import run
+from klear_jax.rewards import SandboxUnavailable
 
 if __name__ == "__main__":
-    C.run_config_cli(run, errors=(C.ConfigError, RecordError, FileNotFoundError, ValueError))
+    C.run_config_cli(run, errors=(C.ConfigError, RecordError, FileNotFoundError, ValueError,
+                                  SandboxUnavailable))

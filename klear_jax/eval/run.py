@@ -238,6 +238,8 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
     # Soft code mode always: the pass rate is the reward, so both metrics come from it.
     scorers = Scorers(math_reward or MathRewardConfig(),
                       dataclasses.replace(code_reward or CodeRewardConfig(), mode="soft"))
+    if any(b.kind == "code" for b in benchmarks):
+        scorers.code  # the sandbox's containment check (SandboxUnavailable) before sampling
     results: dict[str, dict] = {b.name: {} for b in benchmarks}
     if out_dir:
         os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)

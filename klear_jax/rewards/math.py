@@ -1,6 +1,6 @@
 """Math reward: the final answer after `</think>`, checked with HF math-verify.
 
-Rewards (PAPER.md section 5, the Klear code's values; all in MathRewardConfig):
+Rewards (paper section 5, the Klear code's values; all in MathRewardConfig):
     response lacks `<think>` (only when `require_open_think`)   -> missing_open_think  (-2.0)
     response lacks `</think>`                                   -> missing_close_think (-0.5)
     answer after the last `</think>` verifies against the gold  -> correct (+1.0)

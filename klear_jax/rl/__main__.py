@@ -3,8 +3,9 @@
 import logging
 
 from klear_jax import config as C
+from klear_jax.rewards import SandboxUnavailable
 from klear_jax.rl import run
 
 if __name__ == "__main__":
-    C.run_config_cli(run, report=lambda out, cfg: logging.getLogger("klear_jax.rl").info(
+    C.run_config_cli(run, errors=(C.ConfigError, SandboxUnavailable), report=lambda out, cfg: logging.getLogger("klear_jax.rl").info(
         "finished: %s", {k: out[k] for k in ("step", "updates", "stopped")}))

@@ -32,7 +32,7 @@ from klear_jax import metrics as metrics_lib
 from klear_jax import policy
 from klear_jax import sharding as shd
 from klear_jax import train_step as ts
-from klear_jax.data.pipeline import rl_prompt_batches
+from klear_jax.data.pipeline import decode_rl_example, rl_prompt_batches
 from klear_jax.data.tokenizer import load_tokenizer
 from klear_jax.rewards.scorers import Scorers
 from klear_jax.rl import batch as rb
@@ -43,9 +43,16 @@ from klear_jax.sampler import Sampler, SamplingParams
 from klear_jax.trainer import Trainer
 
 
+def has_code_prompts(src, probe: int = 256) -> bool:
+    """Whether any of ~``probe`` records spread over ``src`` carries tests (a code prompt)."""
+    n = len(src)
+    return any(rm.record_kind(decode_rl_example(src[i])) == "code"
+               for i in range(0, n, max(1, n // probe)))
+
+
 def build_prompts(cfg, state: dict | None = None):
-    """This process's share of every global batch of prompts (prompts_per_step is global),
-    positioned at ``state`` when resuming."""
+    """(this process's share of every global batch of prompts (prompts_per_step is global),
+    positioned at ``state`` when resuming; whether the prompts include code)."""
     d = cfg.data
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
     it = rl_prompt_batches(src, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=d.shuffle,
@@ -53,7 +60,7 @@ def build_prompts(cfg, state: dict | None = None):
                            max_prompt_length=cfg.rollout.max_prompt_len)
     if state:
         it.set_state(state)
-    return it
+    return it, has_code_prompts(src)
 
 
 def _max_over_processes(n: int) -> int:
@@ -192,8 +199,10 @@ def run(cfg) -> dict:
             graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
             del model
         policy.check_vocab(tok, model_cfg.vocab_size)
-        data = build_prompts(cfg, data_state)
+        data, has_code = build_prompts(cfg, data_state)
         steps = RLStep(cfg, mesh, graphdef, optimizer, schedule, shardings, tok, model_cfg)
+        if has_code:  # the sandbox's containment check (SandboxUnavailable) before any work
+            steps.scorers.code
 
         def save():
             extra = {"iterator": data.get_state(), "rl_step": rl_step, "updates": int(state.step)}
