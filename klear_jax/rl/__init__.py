@@ -11,6 +11,14 @@ DIR/metrics.jsonl (one row per RL step), TensorBoard logs in DIR/tb and checkpoi
 DIR/checkpoints.
 """
 
-from klear_jax.rl.loop import run
-
 __all__ = ["run"]
+
+
+def __getattr__(name):
+    # The loop pulls in the data pipeline (TFDS, grain) and the trainer; the update's wiring
+    # (rl.step, rl.loss, rl.config) is used without them (AOT, the benchmarks), so the loop
+    # is imported on first use of ``klear_jax.rl.run``.
+    if name == "run":
+        from klear_jax.rl.loop import run
+        return run
+    raise AttributeError(name)
