@@ -4,7 +4,8 @@ The Pallas Triton kernels run in interpret mode on CPU: values and gradients (dq
 are compared with ``xla_attention`` on packed rows, left / right padding, a fully padded row,
 GQA and odd lengths. cuDNN cannot run on CPU: its layout translation (segment ids -> runs,
 offsets) is checked by building the mask the packed layout implies and running dense
-attention under it, values and gradients, against ``xla_attention``.
+attention under it, values and gradients, against ``xla_attention``, and so is the run-time
+switch to the fallback kernel for rows with more runs than the layout holds.
 """
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from klear_jax.models import gpu_attention as ga
-from klear_jax.models.gpu_flash import BlockSizes
+from klear_jax.models.gpu_flash import BlockSizes, pallas_attention
 from klear_jax.models.attention import attention_mask, positions_from_segment_ids, xla_attention
 from klear_jax.sharding import make_mesh, use_mesh
 
@@ -107,25 +108,24 @@ def test_segment_runs_layout():
     assert not np.asarray(overflow).any()
     # the runs tile each row: every token is in exactly one run
     np.testing.assert_array_equal(np.where(seqlens > 0, seqlens, 0).sum(1), [8, 8, 8])
-    # too many runs for the layout: flagged (the output of that row becomes NaN)
+    # too many runs for the layout: flagged (that shard takes the fallback kernel)
     _, _, overflow = runs(seg, 3)
     np.testing.assert_array_equal(overflow, [True, False, False])
     # at least 2 slots per row (jax's packed path)
     assert runs(seg, 1)[0].shape == (3, 2)
 
 
-def _dense_under_packed_layout(q, k, v, seg, max_segments):
-    """What cuDNN computes from ``segment_runs``: causal attention inside each run (padding
-    runs too), then ``finish_cudnn_output``. Dense float32; GQA by grouping the q heads."""
+def _dense_packed(q, k, v, q_runs, kv_runs):
+    """What cuDNN computes over ``segment_runs``' layout: causal attention inside each run
+    (padding runs too). Dense float32 under ``packed_causal_mask``; GQA by grouping q heads.
+    A reference for the layout, in place of the kernel (which needs a GPU)."""
     B, T, H, hd = q.shape
     K = k.shape[2]
-    seqlens, offsets, overflow = ga.segment_runs(seg, max_segments)
-    mask = ga.packed_causal_mask(seqlens, offsets, T)[:, None, None]  # [B, 1, 1, T, S]
+    mask = ga.packed_causal_mask(*q_runs, T)[:, None, None]  # [B, 1, 1, T, S]
     qg = q.reshape(B, T, K, H // K, hd)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision="highest") * hd ** -0.5
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v, precision="highest").reshape(B, T, H, hd)
-    return ga.finish_cudnn_output(out, seg, overflow)
+    return jnp.einsum("bkgts,bskd->btkgd", p, v, precision="highest").reshape(B, T, H, hd)
 
 
 def test_packed_layout_mask_is_the_xla_rule():
@@ -142,26 +142,31 @@ def test_packed_layout_mask_is_the_xla_rule():
     np.testing.assert_array_equal(packed, rule)
 
 
-def test_cudnn_layout_values_and_gradients_match_xla():
+@pytest.mark.parametrize("max_segments,expect", [(8, "packed"), (3, "fallback")])
+def test_cudnn_layout_values_and_gradients_match_xla(max_segments, expect):
     """Attention under the packed layout (padding runs attending among themselves, zeroed
-    after) has the XLA path's values and gradients, padding rows' included."""
+    after) has the XLA path's values and gradients, padding rows' included. Row 0 has 4
+    runs: with 3 slots per row the shard takes the fallback (here the Pallas kernel)."""
     q, k, v, w, pos, seg = _batch(45, 4, 2, hd=16, seed=3)
-    out, grads = _value_and_grads(lambda q, k, v: _dense_under_packed_layout(q, k, v, seg, 8),
-                                  q, k, v, w)
+
+    def fallback(*a):
+        return pallas_attention(*a, block_sizes=BLOCKS16, interpret=True)
+
+    def fn(q, k, v):
+        return ga.packed_or_fallback(q, k, v, seg, seg, max_segments, _dense_packed, fallback)
+    out, grads = _value_and_grads(fn, q, k, v, w)
     ref, ref_grads = _value_and_grads(
         lambda q, k, v: xla_attention(q, k, v, pos, pos, seg, seg), q, k, v, w)
     _close(out, ref, 1e-5)
     for g, rg in zip(grads, ref_grads):
         _close(g, rg, 1e-5)
 
-
-def test_cudnn_overflow_rows_are_nan():
-    out = jnp.ones((2, 3, 1, 2), jnp.bfloat16)
-    seg = jnp.asarray([[1, 1, 0], [1, 2, 3]])
-    got = np.asarray(jax.jit(ga.finish_cudnn_output)(out, seg, jnp.asarray([False, True])),
-                     np.float32)
-    np.testing.assert_array_equal(got[0, :, 0, 0], [1, 1, 0])
-    assert np.isnan(got[1]).all()
+    # which branch ran: each returns ones when it is the expected one (row 0 is not padding)
+    def mark(name):
+        return lambda q, *a: jnp.full(q.shape, float(name == expect), q.dtype)
+    picked = jax.jit(lambda q, k, v: ga.packed_or_fallback(
+        q, k, v, seg, seg, max_segments, mark("packed"), mark("fallback")))(q, k, v)
+    assert float(picked[0, 0, 0, 0]) == 1.0
 
 
 # ------------------------------------------------------------------------------ choosing

@@ -29,11 +29,19 @@ a call, ``choose`` takes the first that can (the caller falls back to XLA, namin
               reached through ``jax._src.cudnn.fused_attention_stablehlo`` (what jax.nn calls).
               Needs: a CUDA GPU of compute capability >= 9.0 (packed layout), bf16 / fp16,
               head_dim <= 256 and a multiple of 8, cuDNN >= 9.6, segments as contiguous runs
-              (true of packed and padded rows), at most ``max_segments`` runs per row (a row
-              with more returns NaN: loud, never silently wrong), and for GQA jax >= 0.11
-              (jax 0.10 scales the kv offsets by the query head count, fixed in 0.11).
+              (true of packed and padded rows), and for GQA jax >= 0.11 (jax 0.10 scales the
+              kv offsets by the query head count, fixed in 0.11). The run count per row is a
+              static bound, ``max_segments``: cuDNN treats a row as that many sequences of
+              length T, so its workspace and time grow with it (H200, 16 heads, hd 128,
+              4 x 4096 packed rows: M = 4 / 8 / 64 took 1.7 / 2.0 / 3.4 ms forward + backward
+              and 1.1 / 2.1 / 16.2 GiB temp). A shard holding a row with more runs runs the
+              Pallas kernel instead (``lax.cond``), so results are exact for any rows.
 
-Which is faster is for the GPU benchmark to measure (``gpu_attention(..., impl=name)``).
+Measured on one H200 (jax 0.11.2, cuDNN 9.19; ``benchmarks/gpu_attention_check.py``), one
+layer's forward + backward, 16 / 8 heads, hd 128, one-segment rows: 4 x 4096 tokens XLA 17.7
+ms (11 GiB temp), cuDNN 2.5 ms (``jax.nn``'s causal cuDNN: the same), Pallas 5.5 ms; 1 x 16384
+XLA 70 ms (44 GiB), cuDNN 7.4, Pallas 20.6. Hence ``DEFAULT_ORDER``: cuDNN, then Pallas
+where cuDNN cannot run. Both match XLA (values and dq / dk / dv within bf16 rounding) there.
 Shapes: B batch, T time (== S), H query heads, K kv heads, G = H / K, hd head dim.
 """
 
@@ -44,12 +52,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from klear_jax.sharding import current_mesh, logical_to_spec
 
 IMPLS = ("cudnn", "pallas")
-DEFAULT_ORDER = ("cudnn", "pallas")  # preference of ``choose``; the GPU benchmark decides
-DEFAULT_MAX_SEGMENTS = 64  # cuDNN: runs per row (segments + padding runs); static
+DEFAULT_ORDER = ("cudnn", "pallas")  # preference of ``choose``: measured, module docstring
+# cuDNN: runs per row (segments + padding runs) the packed layout holds; a GPPO row has at most
+# 3 (left padding, prompt + response, right padding); rows with more take the Pallas kernel.
+DEFAULT_MAX_SEGMENTS = 8
 Q_NAMES = ("act_batch", "act_length", "act_q_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
 
@@ -134,7 +145,7 @@ def cudnn_reason(q_shape, k_shape, dtype, *, platform: str, platform_version: st
                  jax_version: tuple[int, int]) -> str | None:
     """``supports('cudnn', ...)``'s decision from the facts it gathered: None or why not."""
     if platform != "gpu" or "cuda" not in platform_version.lower():
-        return f"cuDNN needs a CUDA GPU, not {platform} {platform_version}".rstrip()
+        return f"cuDNN needs a CUDA GPU, not {platform if platform != 'gpu' else platform_version}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"cuDNN flash attention takes bfloat16 / float16, got {jnp.dtype(dtype)}"
     hd = q_shape[3]
@@ -178,7 +189,8 @@ def gpu_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
       impl: "pallas" or "cudnn" (see the module docstring; ``supports`` first).
       interpret: Pallas interpret mode (CPU tests).
       block_sizes: Pallas tile sizes, a ``gpu_flash.BlockSizes`` (default: its defaults).
-      max_segments: cuDNN: static bound on runs of equal segment id per row.
+      max_segments: cuDNN: static bound on runs of equal segment id per row (beyond it the
+        shard runs the Pallas kernel).
 
     Returns [B, T, H, hd] in q's dtype; rows whose q segment id is 0 are zeros. Under
     ``klear_jax.sharding.use_mesh(mesh)`` with several devices it runs inside
@@ -274,22 +286,44 @@ def packed_causal_mask(seqlens, offsets, T: int):
     return same & (idx[None, None, :] <= idx[None, :, None])
 
 
-def cudnn_attention(q, k, v, q_seg, kv_seg, *, max_segments: int = DEFAULT_MAX_SEGMENTS):
+def cudnn_attention(q, k, v, q_seg, kv_seg, *, max_segments: int = DEFAULT_MAX_SEGMENTS,
+                    fallback=None):
     """Per-shard cuDNN flash attention in the packed layout. q [B, T, H, hd], k / v
-    [B, T, K, hd], segment ids int32 [B, T] -> [B, T, H, hd] (padding rows zero; rows with
-    more than ``max_segments`` runs NaN). Needs what ``supports('cudnn', ...)`` checks."""
+    [B, T, K, hd], segment ids int32 [B, T] -> [B, T, H, hd] (padding rows zero). Needs what
+    ``supports('cudnn', ...)`` checks. A shard holding a row of more than ``max_segments``
+    runs runs ``fallback`` instead (default: the Pallas kernel), picked at run time."""
+    if fallback is None:
+        from klear_jax.models.gpu_flash import pallas_attention as fallback
+    return packed_or_fallback(q, k, v, q_seg, kv_seg, max_segments, _cudnn_packed, fallback)
+
+
+def _cudnn_packed(q, k, v, q_runs, kv_runs):
+    """cuDNN over the runs ``(seqlens, offsets)`` of ``segment_runs``, causal inside each."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
+    return cudnn_dpa(q, k, v, q_seqlen=q_runs[0], kv_seqlen=kv_runs[0], q_offsets=q_runs[1],
+                     kv_offsets=kv_runs[1], scale=q.shape[-1] ** -0.5,
+                     mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+
+
+def packed_or_fallback(q, k, v, q_seg, kv_seg, max_segments: int, packed, fallback):
+    """``packed(q, k, v, q_runs, kv_runs)`` on the runs of the segment ids (M =
+    ``max_segments`` slots per row), padding rows zeroed after; or, when a row has more runs
+    than that, ``fallback(q, k, v, q_seg, kv_seg)`` (``lax.cond``: exact for any rows, and the
+    packed kernel's speed and memory for rows within the bound). Shapes as ``cudnn_attention``.
+    """
     q_len, q_off, q_over = segment_runs(q_seg, max_segments)
     kv_len, kv_off, kv_over = segment_runs(kv_seg, max_segments)
-    out = cudnn_dpa(q, k, v, q_seqlen=q_len, kv_seqlen=kv_len, q_offsets=q_off,
-                    kv_offsets=kv_off, scale=q.shape[-1] ** -0.5,
-                    mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
-    return finish_cudnn_output(out, q_seg, q_over | kv_over)
+
+    def use_packed(q, k, v, q_seg, kv_seg):
+        out = packed(q, k, v, (q_len, q_off), (kv_len, kv_off))
+        return zero_padding_rows(out, q_seg)
+
+    return lax.cond(jnp.any(q_over | kv_over), fallback, use_packed, q, k, v, q_seg, kv_seg)
 
 
-def finish_cudnn_output(out, q_seg, overflow):
-    """Padding rows (segment 0, whose runs attended among themselves) -> 0; rows with more
-    runs than the layout holds -> NaN. out [B, T, H, hd]; q_seg [B, T]; overflow bool [B]."""
-    out = jnp.where((q_seg != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
-    return jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
+def zero_padding_rows(out, q_seg):
+    """out [B, T, H, hd] with the rows of q segment 0 set to 0: in the packed layout padding
+    runs attended among themselves (finite, and they pass no gradient back: their output
+    gradient is zero)."""
+    return jnp.where((q_seg != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
