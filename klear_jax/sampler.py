@@ -195,7 +195,7 @@ class Sampler:
         Bp, P = ids.shape
         M, n = st.max_new_tokens, st.n
         cache = self._constrain_cache(init_cache(cfg, Bp, P + M, self.cache_dtype))
-        h, cache = model.hidden_states(ids, segment_ids=seg, cache=cache)
+        h, cache = model.hidden_states(ids, segment_ids=seg, cache=cache, fresh_cache=True)
         raw = model.logits(h[:, -1:])[:, 0]  # [Bp, V]; left padding: last slot is real
         V = raw.shape[-1]
         presence = None

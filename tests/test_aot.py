@@ -1,4 +1,6 @@
-"""AOT compilation for a real TPU topology (v5p:2x2x2, megacore: 8 chips) from the CPU host.
+"""AOT compilation for a real TPU topology from the CPU host: small cases on v5p:2x2x2
+(megacore: 8 chips), and every paper config (Qwen3-8B SFT, GPPO math, GPPO code) on the pod
+slices it was sized for, v5p-64 and v6e-64, which must fit the chip's HBM.
 
 Needs libtpu (requirements-test.txt); skipped with a reason when it is not importable.
 """
@@ -92,3 +94,44 @@ def test_analytical_flops_qwen3_8b():
     assert f["hw_flops"] == pytest.approx(f["model_flops"] * 4 / 3)
     r = roofline(f, "v5p", 32)
     assert r["implied_mfu"] == pytest.approx(0.75)
+
+
+# ------------------------------------------------------------------------------ the paper pods
+# Every paper config on both slices, as docs/aot.md runs them: each function must fit a chip.
+# One test per (config, slice) so xdist spreads them over workers; inside one, aot.run
+# builds the abstract model once and compiles all the config's functions in one process.
+# The GPPO code config's sampler (prefill, decode) reads only model / mesh / rollout, equal to
+# the math config's (asserted), so the math test's prefill and decode cover it.
+PAPER = [
+    ("configs/sft_qwen3_8b.py", "v5p-64", ("sft_step",)),
+    ("configs/sft_qwen3_8b.py:chips=64", "v6e-64", ("sft_step",)),
+    ("configs/gppo_math_qwen3_8b.py", "v5p-64", ("rl_step", "prefill", "decode")),
+    ("configs/gppo_math_qwen3_8b.py:chips=64,tensor=4", "v6e-64", ("rl_step", "prefill", "decode")),
+    ("configs/gppo_code_qwen3_8b.py", "v5p-64", ("rl_step",)),
+    ("configs/gppo_code_qwen3_8b.py:chips=64,tensor=4", "v6e-64", ("rl_step",)),
+]
+
+
+@pytest.mark.parametrize("config,topology,what", PAPER,
+                         ids=[f"{c.split('/')[-1].replace('.py', '')}-{t}" for c, t, _ in PAPER])
+def test_paper_config_fits_pod(config, topology, what):
+    rep = aot.run(config, topology, what)
+    table = aot.format_report(rep)
+    print(table)  # the per-chip numbers, with pytest -s (docs/aot.md)
+    assert [f["name"] for f in rep["functions"]] == list(what)
+    for fn in rep["functions"]:
+        m = fn["memory"]
+        assert m["temp_bytes"] > 0 and m["argument_bytes"] > 0, (fn["name"], m)
+        assert m["fits"], f"{fn['name']} does not fit {topology}:\n{table}"
+
+
+def test_gppo_code_sampler_is_the_math_sampler():
+    """What the sampler functions read is equal in the two GPPO configs (both slices), so
+    test_paper_config_fits_pod compiles prefill / decode once, under the math config."""
+    from klear_jax import config_utils
+    for variant in ("", ":chips=64,tensor=4"):
+        math_cfg = config_utils.load_config(f"configs/gppo_math_qwen3_8b.py{variant}")
+        code_cfg = config_utils.load_config(f"configs/gppo_code_qwen3_8b.py{variant}")
+        plain = lambda x: x.to_dict() if hasattr(x, "to_dict") else dict(x)  # noqa: E731
+        for key in ("model", "mesh", "rollout"):
+            assert plain(code_cfg[key]) == plain(math_cfg[key]), key

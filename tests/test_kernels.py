@@ -53,3 +53,18 @@ def test_generic_forms_match_cpu_forms(monkeypatch, remat):
     for a, b in zip(jax.tree.leaves(generic[1]), jax.tree.leaves(cpu[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
                                    atol=1e-5 * float(np.abs(np.asarray(b)).max()))
+
+
+def test_gpu_flash_impl_runs_the_pallas_kernel_where_cudnn_cannot(caplog):
+    """attention_impl "gpu_flash" on CPU: cuDNN reports why it cannot run, the Pallas kernel
+    runs in interpret mode, and matches the XLA path on packed rows with GQA."""
+    from klear_jax.models import kernels
+    from klear_jax.models.attention import positions_from_segment_ids, xla_attention
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 128, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 128, 2, 16)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray([[1] * 60 + [2] * 68, [0] * 8 + [1] * 120], jnp.int32)
+    pos = positions_from_segment_ids(seg)
+    got = kernels.attention(q, k, v, pos, pos, seg, seg, impl="gpu_flash")
+    want = xla_attention(q, k, v, pos, pos, seg, seg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

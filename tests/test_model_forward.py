@@ -119,16 +119,20 @@ def test_packed_equals_separate(model):
                                atol=1e-6)
 
 
-def test_kv_cache_prefill_and_steps_match_full_forward(model):
-    """Row 0: a 5-token prompt left-padded by 3; row 1: an 8-token prompt; then 4 steps."""
+@pytest.mark.parametrize("fresh", [False, True])
+def test_kv_cache_prefill_and_steps_match_full_forward(model, fresh):
+    """Row 0: a 5-token prompt left-padded by 3; row 1: an 8-token prompt; then 4 steps.
+    ``fresh``: the prefill attends within the prompt (``fresh_cache``), not over the cache."""
     B, P, steps = 2, 8, 4
     full = _ids(B, P + steps, seed=3)
     seg = jnp.ones((B, P + steps), jnp.int32).at[0, :3].set(0)
     ref = fwd(model, full[:1, 3:])[0]  # row 0 run alone, unpadded
     ref1 = fwd(model, full[1:])[0]
     cache = init_cache(CFG, B, P + steps + 2)
-    step = nnx.jit(lambda m, ids, s, c: m.hidden_states(ids, segment_ids=s, cache=c))
-    h, cache = step(model, full[:, :P], seg[:, :P], cache)
+    step = nnx.jit(lambda m, ids, s, c, f=False: m.hidden_states(ids, segment_ids=s, cache=c,
+                                                                 fresh_cache=f),
+                   static_argnums=4)
+    h, cache = step(model, full[:, :P], seg[:, :P], cache, fresh)
     outs = [model.logits(h)]
     for t in range(P, P + steps):
         h, cache = step(model, full[:, t:t + 1], seg[:, t:t + 1], cache)

@@ -3,7 +3,8 @@
 The model calls ``project``, ``attention`` and ``cache_attention`` from here; this module
 asks ``klear_jax.backend`` which implementation the target platform gets and routes to it:
 XLA's own forms (``attention.py``), the CPU-tuned forms (``cpu_kernels.py``), TPU splash
-attention (``splash.py``) or the fused GPU kernel (``gpu_attention.py``).
+attention (``splash.py``) or the fused GPU kernels (``gpu_attention.py``: cuDNN, else Pallas;
+an unsupported case falls back to XLA with a one-line warning naming why).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 from klear_jax import backend
 from klear_jax.models import attention as A
-from klear_jax.models import cpu_kernels
+from klear_jax.models import cpu_kernels, gpu_attention
 
 
 def project(eqn: str, x, w, preferred_element_type=None):
@@ -57,8 +58,12 @@ def attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
     if impl == "splash":
         from klear_jax.models.splash import splash_attention  # Pallas TPU: heavy import
         return splash_attention(*args, interpret=backend.pallas_interpret())
-    if impl != "xla":
-        raise ValueError(f"attention impl {impl!r} is not available in this build")
+    if impl == "gpu_flash":
+        chosen, reasons = gpu_attention.choose(q, k, interpret=backend.pallas_interpret())
+        if chosen is not None:
+            return gpu_attention.gpu_attention(*args, impl=chosen,
+                                               interpret=backend.pallas_interpret())
+        backend.warn_fallback("gpu_flash", "; ".join(f"{i}: {r}" for i, r in reasons.items()))
     if recompute and backend.cpu_kernels():
         return cpu_kernels.recomputed_attention(*args, causal_by_index=True)
     return A.xla_attention(*args, recompute=recompute)

@@ -97,9 +97,12 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, q_pos, q_seg, kv):
         """x [B, T, D] -> ([B, T, D], updated (cache_k, cache_v) or None).
 
-        ``kv`` is None (attend within x) or (cache_k, cache_v, kv_pos, kv_seg, index): this
-        layer's cache (k [B, K, hd, S], v [B, K, S, hd]); the new k/v are written at slots
-        index:index + T (in place under donation) and attention reads the cache.
+        ``kv`` is None (attend within x) or (cache_k, cache_v, kv_pos, kv_seg, index, fresh):
+        this layer's cache (k [B, K, hd, S], v [B, K, S, hd]); the new k/v are written at slots
+        index:index + T (in place under donation) and attention reads the cache, or, when
+        ``fresh`` (static: the cache was empty, so the slots just written are its only filled
+        ones), attends within x exactly as without a cache: same result, T x T scores
+        instead of T x S, and the model's training kernel (splash on TPU).
         """
         q = self.q_proj(x, "btd,dhk->bthk")
         k = self.k_proj(x, "btd,dhk->bthk")
@@ -115,7 +118,7 @@ class Attention(nnx.Module):
                             recompute=self.recompute_probs)
             new_cache = None
         else:
-            ck, cv, kv_pos, kv_seg, index = kv
+            ck, cv, kv_pos, kv_seg, index, fresh = kv
             zero = jnp.zeros((), jnp.int32)
             # Head-major, keys length-minor: a row-head's keys are one [hd, S] block and its
             # values one [S, hd] block, the layouts the two decode dots read fastest.
@@ -124,8 +127,14 @@ class Attention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype),
                                               (zero, zero, index, zero))
             ck, cv = shd.constrain(ck, CACHE_K_AXES), shd.constrain(cv, CACHE_V_AXES)
-            out = cache_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos, kv_pos,
-                                  q_seg, kv_seg)
+            if fresh:
+                # Prefill: empty slots (segment 0) are masked anyway. Over the whole cache
+                # the GPPO prefill (4K prompt, 36.8K slots) materialised [B, K, G, T, S]
+                # float32 scores of 18 GiB per chip on v5p-64 and no longer fit (docs/aot.md).
+                out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl)
+            else:
+                out = cache_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_pos, kv_pos,
+                                      q_seg, kv_seg)
             new_cache = (ck, cv)
         y = self.o_proj(out, "bthk,hkd->btd")
         return y, new_cache
@@ -197,13 +206,15 @@ class Qwen(nnx.Module):
         return tuple(jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers))
 
     def hidden_states(self, input_ids, positions=None, segment_ids=None, cache=None,
-                      layers=None):
+                      layers=None, fresh_cache: bool = False):
         """(h [B, T, D] after the final norm, new cache or None).
 
         input_ids int32 [B, T]; segment_ids int32 [B, T] (0 = padding; default ones);
         positions int32 [B, T] (default: position inside each segment, or, with a cache,
         continuing from the cache's filled slots of the row). ``layers``: optional
         ``layer_states()`` to use with a cache (default: sliced from the stacked parameters).
+        ``fresh_cache`` (static): the cache is empty (``init_cache``; prefill), so attention
+        runs over this call's T keys instead of the cache's S slots (same result).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -239,7 +250,7 @@ class Qwen(nnx.Module):
             for i in range(cfg.num_layers):
                 layer = nnx.merge(graphdef, layers[i])
                 x, (ks[i], vs[i]) = layer(x, cos, sin, positions, segment_ids,
-                                          (ks[i], vs[i], kv_pos, kv_seg, index))
+                                          (ks[i], vs[i], kv_pos, kv_seg, index, fresh_cache))
             new_cache = {"k": tuple(ks), "v": tuple(vs), "positions": kv_pos,
                          "segment_ids": kv_seg, "index": index + T}
             return self.final_norm(x), new_cache
