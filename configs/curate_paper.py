@@ -52,13 +52,12 @@ def get_config(arg=None):
         c.rl_filter.update(min_pass_rate=MAJORITY, max_pass_rate=1.0,
                            min_tests=16 if domain == "code" else 0)
         c.label.update(code_timeout_s=35.0, code_max_tests=16, math_workers=8)
-        c.pass_rate.update(source="samples", samples_field="samples", batch_size=64)
-        if a.ref:
-            c.pass_rate.source = "model"
-            c.pass_rate.model.update(checkpoint=a.ref, num_samples=REF_SAMPLES, temperature=0.6,
-                                     top_p=0.95, max_new_tokens=32768, batch_prompts=8, seed=0,
-                                     max_prompt_len=4096, dtype="bfloat16",
-                                     mesh=dict(data=1, fsdp=-1, tensor=1))
+        c.pass_rate.update(source="model" if a.ref else "samples", samples_field="samples",
+                           batch_size=64)
+        c.pass_rate.model.update(checkpoint=a.ref, num_samples=REF_SAMPLES, temperature=0.6,
+                                 top_p=0.95, max_new_tokens=32768, batch_prompts=8, seed=0,
+                                 max_prompt_len=4096, dtype="bfloat16",
+                                 mesh=dict(data=1, fsdp=-1, tensor=1))
         c.output.max_length = 4096
     c.output.update(dir="data/curated", name=f"klear_{a.kind}", tfds=True, tokenizer="",
                     val_fraction=0.0, drop_fields=("samples",))
