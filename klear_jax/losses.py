@@ -307,8 +307,9 @@ def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None 
     """(loss_sum, denom, metric_sums) of a policy loss; see the module docstring.
 
     logp, old_logp, mask: [B, T]; advantages: [B] or [B, T]. ``loss``: the settings, or
-    PolicyLoss's fields as keywords. ``row_weights`` [B]: see :func:`aggregate_terms`. Metric sums (token sums unless noted): tokens,
-    clipfrac_low, clipfrac_high, dual_clipfrac (if dual_clip), ratio_mean,
+    PolicyLoss's fields as keywords. ``row_weights`` [B]: see :func:`aggregate_terms`.
+    Metric sums (token sums unless noted): tokens, clipfrac_low, clipfrac_high,
+    dual_clipfrac (if dual_clip), ratio_mean,
     ratio_min/ratio_max (min/max), approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) -
     log r) and pg_loss (summed under agg: finalised with the loss's denominator). Combine
     with combine_metric_sums / reduce_metric_sums, finish with finalize_metrics.

@@ -89,6 +89,8 @@ OFFICIAL = {
     "reward.code.think_check": "close_first",
     "optim.weight_decay_mask": "all",        # torch AdamW over model.parameters()
 }
+
+
 def rl_base() -> ml_collections.ConfigDict:
     """Every key with a default value (see the module docstring)."""
     c = C.base_config()
