@@ -9,7 +9,9 @@ Files expected under ROOT (HF-style JSONL or Parquet; see klear_jax/data/records
   bench/aime24.jsonl, bench/aime25.jsonl, bench/lcb_v5.jsonl   {"problem" | "question" | "prompt"}
 Quality scores rank sources within a domain (e.g. from a small ablation); only the top two
 per domain are read ("few top sources beat many"). Incorrect teacher traces are kept for
-hard problems (difficulty >= 0.7) and dropped for easy ones.
+hard problems (difficulty >= 0.7) and dropped for easy ones: the paper's section 5.1.1
+ablation, not its final recipe, which keeps every trace (up to 16 per prompt): that recipe,
+and the paper's RL filters, are ``configs/curate_paper.py``.
 Variants: `:kind=rl_math` makes an RL prompt set instead (pass-rate band from `pass_rate`),
 from k precomputed `samples` per problem, or with `:kind=rl_math,ref=/ckpt/sft_model` from 8
 samples per problem drawn here from that reference checkpoint (Orbax or HF dir; its

@@ -1,9 +1,11 @@
 """The paper's code RL stage (GPPO) of Klear-Reasoner-8B on a TPU v5p-64 slice, starting
 from the math RL checkpoint (or the SFT one).
 
-Same as ``gppo_math_qwen3_8b.py`` except (paper section 6): lr 5e-7; mini-batches of 32
-prompts (4 updates per step); soft code reward = fraction of up to 16 tests passed, each
-run in the bubblewrap sandbox with the paper's 35 s timeout.
+Same as ``gppo_math_qwen3_8b.py`` (variants included, ``:semantics=official`` too) except
+(paper section 6): lr 5e-7; mini-batches of 32 prompts (4 updates per step; 4 rows per
+emulated verl device); soft code reward = fraction of up to 16 tests passed, each run in
+the bubblewrap sandbox with the paper's 35 s timeout. ``:semantics=official``: 2p - 1 over
+16 tests drawn at random per response, as the authors' reward code does.
 
     python -m klear_jax.rl --config=configs/gppo_code_qwen3_8b.py \
         --config.workdir=gs://b/rl_code --config.init.path=gs://b/rl_math/checkpoints \
@@ -31,7 +33,6 @@ def get_config(arg=None):
     # of 2 rows per shard needed 34.9 GiB per chip for the train step: tests/test_aot.py).
     shards = c.mesh["data"] * c.mesh["fsdp"]
     c.train.update(num_minibatches=4, num_microbatches=256 // shards)
-    c.reward.code.update(mode="soft", timeout_s=35.0, max_tests=16, num_slots=0,
-                         allow_unsandboxed=False)
+    c.reward.code.update(timeout_s=35.0, max_tests=16, num_slots=0, allow_unsandboxed=False)
     c.optim.update(lr=5e-7, end_lr=5e-7)
     return c

@@ -12,15 +12,25 @@ all-correct responses; temperature 1.0, top_p 1; prompt 4096 + response 32768 to
         --config.data.dir=gs://b/tfds --config.data.name=klear_math \
         --config.data.tokenizer=/path/to/tokenizer
 Variants: ``:chips=N`` (devices), ``:tensor=N`` (tensor-parallel ways; v6e-64 uses
-``:chips=64,tensor=4``), ``:steps=N``.
+``:chips=64,tensor=4``), ``:steps=N``, ``:semantics=official``.
+
+Semantics. By default this file follows the paper's text wherever the paper states a rule:
+one token-mean over the whole mini-batch (Eq. 11's 1 / sum_j T_j), groups dropped when all
+rewards are equal (zero advantage), the soft code reward p. Where the paper is silent it
+keeps the project's choice (first 16 tests, <think> checked before </think>, norms and
+biases not decayed, a short last mini-batch trained at full size). ``:semantics=official``
+switches every one of these to what the authors' released verl run does
+(``klear_jax.rl.config.OFFICIAL``: per-micro-batch token-mean, mixed-correctness group
+filter, 2p - 1 over 16 random tests, </think> checked first, decay on every parameter,
+short mini-batches dropped). docs/reproduce.md lists each with its source.
 """
 
 from klear_jax import config as C
-from klear_jax.rl.config import rl_base
+from klear_jax.rl.config import OFFICIAL, rl_base
 
 
 def get_config(arg=None):
-    a = C.parse_arg(arg, chips=32, steps=500, tensor=1)
+    a = C.parse_arg(arg, chips=32, steps=500, tensor=1, semantics="paper")
     shards = a.chips // a.tensor  # data x fsdp: rows are split over these
     c = rl_base()
     c.seed = 0
@@ -40,12 +50,18 @@ def get_config(arg=None):
     c.train.update(total_steps=a.steps, batch_prompts=128, num_minibatches=8,
                    num_microbatches=128 // shards, length_bucket=4096, max_consecutive_skips=5,
                    log_every=1)
+    c.train.partial_minibatch = "full"
+    # verl_devices: the authors' 256 GPUs / Ulysses 4 = 64 data-parallel groups, 2 rows each
+    # per 128-row mini-batch (used by loss.normalize = microbatch only).
     c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, beta1=1.0, beta2=1.0,
-                  dual_clip=10.0, agg="token-mean", sft_alpha=0.1, adv_estimator="grpo",
-                  adv_use_std=True, filter_zero_adv=True, overlong_filter=False)
+                  dual_clip=10.0, agg="token-mean", sft_alpha=0.1, normalize="minibatch",
+                  verl_devices=64, adv_estimator="grpo", adv_use_std=True,
+                  filter_zero_adv=True, filter_by="reward", overlong_filter=False)
     c.reward.math.update(correct=1.0, wrong=-1.0, missing_close_think=-0.5,
-                         missing_open_think=-2.0, num_workers=16)
+                         missing_open_think=-2.0, think_check="open_first", num_workers=16)
+    c.reward.code.update(mode="soft", test_selection="first", think_check="open_first")
     c.optim.update(lr=1e-6, end_lr=1e-6, schedule="constant", warmup_steps=10,
-                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
+                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, weight_decay_mask="matrices",
+                   clip_norm=1.0)
     c.checkpoint.update(every_steps=10, keep=3, async_save=True)
-    return c
+    return C.set_semantics(c, a.semantics, OFFICIAL)

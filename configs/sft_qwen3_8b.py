@@ -9,15 +9,20 @@ at 32K, docs/aot.md).
     python -m klear_jax.sft --config=configs/sft_qwen3_8b.py --config.workdir=gs://b/sft \
         --config.init.path=gs://b/Qwen3-8B-Base --config.data.dir=gs://b/tfds --config.data.name=klear_sft
 Variants: ``:chips=64`` (devices of the slice), ``:steps=N`` (set from dataset size x 4
-epochs / batch), ``:batch=N`` rows per step.
+epochs / batch), ``:batch=N`` rows per step, ``:semantics=official``.
+
+Semantics: the paper states only "maximum training length 32K". By default a longer row is
+truncated to 32K (its first 32K tokens still teach) and norms / biases are not decayed;
+``:semantics=official`` drops over-long rows and decays every parameter, as the SFT
+trainer of the authors' verl fork does (``klear_jax.sft.config.OFFICIAL``).
 """
 
 from klear_jax import config as C
-from klear_jax.sft.config import sft_base
+from klear_jax.sft.config import OFFICIAL, sft_base
 
 
 def get_config(arg=None):
-    a = C.parse_arg(arg, chips=32, steps=2000, batch=64, seq_len=32768)
+    a = C.parse_arg(arg, chips=32, steps=2000, batch=64, seq_len=32768, semantics="paper")
     c = sft_base()
     c.seed = 0
     # v5p-64 = 32 chips (megacore: one JAX device per chip). Pure FSDP: 8B params + Adam
@@ -33,6 +38,7 @@ def get_config(arg=None):
                    num_microbatches=max(1, a.batch // a.chips), max_consecutive_skips=5,
                    log_every=1)
     c.optim.update(lr=8e-5, end_lr=4e-5, schedule="cosine", warmup_steps=20, decay_steps=0,
-                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=1.0)
+                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, weight_decay_mask="matrices",
+                   clip_norm=1.0)
     c.checkpoint.update(every_steps=200, keep=3, async_save=True)
-    return c
+    return C.set_semantics(c, a.semantics, OFFICIAL)

@@ -26,15 +26,26 @@ Shared blocks (keys and meaning):
     optim.warmup_steps      int   linear warmup from 0
     optim.decay_steps       int   cosine length incl. warmup (0 = train.total_steps)
     optim.b1, b2, eps, weight_decay   AdamW
+    optim.weight_decay_mask str   "matrices" (decay all but norm scales and biases) | "all"
+                                  (every parameter, as the authors' torch AdamW does)
     optim.clip_norm         float global-norm gradient clipping (0 = off)
     optim.mu_dtype          str   "" (param dtype) | "float32" | "bfloat16" for Adam's mu
     checkpoint.every_steps  int   save every N steps (and always at the end)
     checkpoint.keep         int   keep the last K checkpoints
     checkpoint.async_save   bool  write checkpoints in a background thread
     reward.math.*                 klear_jax.rewards.MathRewardConfig fields
-    reward.code.*                 CodeRewardConfig (mode, no_code, format penalties, dedupe)
-                                  and SandboxConfig fields (timeout_s, max_tests, memory_mb,
-                                  num_slots, allow_unsandboxed)
+    reward.code.*                 CodeRewardConfig (mode, no_code, format penalties, dedupe,
+                                  test_selection, test_seed) and SandboxConfig fields
+                                  (timeout_s, max_tests, memory_mb, num_slots,
+                                  allow_unsandboxed)
+    reward.{math,code}.think_check str  "open_first" (missing <think> checked first) |
+                                  "close_first" (missing </think> first: the authors' reward)
+                                  | "none" (no tag required: the official eval judges)
+    reward.code.mode        str   "soft" (pass rate p, the paper's text) | "two_p_minus_one"
+                                  (2p - 1, the authors' code) | "all_or_nothing"
+    reward.code.test_selection str  "first" max_tests (default) | "random" max_tests per
+                                  response (the authors' code) | "all" (the LiveCodeBench
+                                  harness; max_tests ignored)
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from klear_jax import losses
+from klear_jax import losses, optim
 from klear_jax.models import ModelConfig
 from klear_jax.rewards import CodeRewardConfig, MathRewardConfig, SandboxConfig
 
@@ -103,7 +114,8 @@ def base_config() -> ml_collections.ConfigDict:
         qkv_bias=False, dtype="bfloat16", param_dtype="float32", remat_policy="none",
         attention_impl="auto", logprob_chunk_size=512, logprob_remat=True, model_type="qwen3")
     c.optim = dict(lr=8e-5, end_lr=4e-5, schedule="cosine", warmup_steps=0, decay_steps=0,
-                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, clip_norm=1.0, mu_dtype="")
+                   b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, weight_decay_mask="matrices",
+                   clip_norm=1.0, mu_dtype="")
     c.checkpoint = dict(every_steps=1000, keep=3, async_save=True)
     return c
 
@@ -112,11 +124,12 @@ def reward_block() -> dict:
     """``reward.math`` / ``reward.code`` with the paper's values (paper section 5)."""
     return dict(
         math=dict(correct=1.0, wrong=-1.0, missing_close_think=-0.5, missing_open_think=-2.0,
-                  require_open_think=True, num_workers=2, deadline_s=10.0, verify_timeout_s=5),
+                  require_open_think=True, think_check="open_first", num_workers=2,
+                  deadline_s=10.0, verify_timeout_s=5),
         code=dict(mode="soft", no_code=-1.0, missing_close_think=-0.5,
-                  missing_open_think=-2.0, require_open_think=True, timeout_s=35.0,
-                  max_tests=16, memory_mb=1024, num_slots=0, allow_unsandboxed=False,
-                  dedupe=False))
+                  missing_open_think=-2.0, require_open_think=True, think_check="open_first",
+                  test_selection="first", test_seed=0, timeout_s=35.0, max_tests=16,
+                  memory_mb=1024, num_slots=0, allow_unsandboxed=False, dedupe=False))
 
 
 def math_reward_config(c) -> MathRewardConfig:
@@ -142,6 +155,25 @@ def model_kwargs(m) -> dict[str, Any]:
 
 def runtime_model_fields(c) -> dict[str, Any]:
     return {k: c.model[k] for k in RUNTIME_MODEL_FIELDS if k in c.model}
+
+
+SEMANTICS = ("paper", "official")
+
+
+def set_semantics(c, semantics: str, official: dict[str, Any]):
+    """The ``:semantics=`` variant of the paper-setting configs: "paper" keeps ``c`` as it is
+    (the paper's text); "official" sets each dotted key of ``official`` (the authors'
+    released run, e.g. ``klear_jax.rl.config.OFFICIAL``). Returns ``c``."""
+    need(semantics in SEMANTICS, "semantics", f"unknown {semantics!r}; allowed {SEMANTICS}")
+    if semantics == "official":
+        for key, value in official.items():
+            *parents, leaf = key.split(".")
+            node = c
+            for p in parents:
+                node = node[p]
+            need(leaf in node, key, "not a key of this config")
+            node[leaf] = value
+    return c
 
 
 # ------------------------------------------------------------------------------ validators
@@ -275,6 +307,7 @@ def validate_optim(c, key: str = "optim") -> None:
     check_num(c, f"{key}.b2", lo=0, hi=1)
     check_num(c, f"{key}.eps", lo=0, open_lo=True)
     check_num(c, f"{key}.weight_decay", lo=0)
+    check_choice(c, f"{key}.weight_decay_mask", optim.DECAY_MASKS, "mask")
     check_num(c, f"{key}.clip_norm", lo=0)
     check_choice(c, f"{key}.mu_dtype", ("",) + DTYPES, "dtype")
 

@@ -175,11 +175,16 @@ def agg_denominator(mask, agg: str = "token-mean", norm_length=None) -> jax.Arra
     return jnp.sum(jnp.any(m, axis=-1), dtype=jnp.float32)
 
 
-def aggregate_terms(per_token, mask, agg: str = "token-mean", norm_length=None):
-    """(sum, denom) of per-token values [B, T] under ``agg``; masked entries never leak."""
+def aggregate_terms(per_token, mask, agg: str = "token-mean", norm_length=None,
+                    row_weights=None):
+    """(sum, denom) of per-token values [B, T] under ``agg``; masked entries never leak.
+    ``row_weights`` [B] (optional) multiply each row's contribution to the sum (not the
+    denominator): per-row normalisations such as the authors' micro-batch token-mean."""
     _check_agg(agg, norm_length)
     m = jnp.asarray(mask) > 0
     x = jnp.where(m, per_token, 0.0)
+    if row_weights is not None:
+        x = x * jnp.asarray(row_weights, jnp.float32)[:, None]
     denom = agg_denominator(m, agg, norm_length)
     if agg == "seq-mean-token-mean":
         n = jnp.sum(m, axis=-1, dtype=jnp.float32)
@@ -297,12 +302,14 @@ class PolicyLoss:
                              f"got {self.dual_clip}")
 
 
-def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None = None, **kw):
+def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None = None,
+                      row_weights=None, **kw):
     """(loss_sum, denom, metric_sums) of a policy loss; see the module docstring.
 
     logp, old_logp, mask: [B, T]; advantages: [B] or [B, T]. ``loss``: the settings, or
-    PolicyLoss's fields as keywords. Metric sums (token sums unless noted): tokens,
-    clipfrac_low, clipfrac_high, dual_clipfrac (if dual_clip), ratio_mean,
+    PolicyLoss's fields as keywords. ``row_weights`` [B]: see :func:`aggregate_terms`.
+    Metric sums (token sums unless noted): tokens, clipfrac_low, clipfrac_high,
+    dual_clipfrac (if dual_clip), ratio_mean,
     ratio_min/ratio_max (min/max), approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) -
     log r) and pg_loss (summed under agg: finalised with the loss's denominator). Combine
     with combine_metric_sums / reduce_metric_sums, finish with finalize_metrics.
@@ -352,7 +359,7 @@ def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None 
     }
     if c is not None:
         sums["dual_clipfrac"] = jnp.sum(dual * mf)
-    loss_sum, denom = aggregate_terms(per_token, m, cfg.agg, cfg.norm_length)
+    loss_sum, denom = aggregate_terms(per_token, m, cfg.agg, cfg.norm_length, row_weights)
     sums["pg_loss"] = sg(loss_sum)
     return loss_sum, denom, sums
 

@@ -1,10 +1,12 @@
 """Optimizer and learning-rate schedules (optax), built from the ``optim`` config block.
 
 Choices:
-- AdamW with decoupled weight decay applied only to weight *matrices*: any parameter whose
-  path contains "norm" or whose leaf name is "bias" or "scale" is not decayed (RMSNorm
-  scales, biases). Embeddings and the LM head are decayed, like every other kernel. The mask
-  goes by path, not by rank, because layers are stacked ([L, D] norm scales are rank 2).
+- AdamW with decoupled weight decay. ``weight_decay_mask`` "matrices" (default) decays only
+  weight *matrices*: any parameter whose path contains "norm" or whose leaf name is "bias"
+  or "scale" is not decayed (RMSNorm scales, biases). Embeddings and the LM head are
+  decayed, like every other kernel. The mask goes by path, not by rank, because layers are
+  stacked ([L, D] norm scales are rank 2). "all" decays every parameter, as torch's AdamW
+  over ``model.parameters()`` does in the authors' code.
 - Global-norm clipping runs first, on the already-normalised gradient.
 - Schedules: "cosine" = linear warmup 0 -> lr, then cosine from lr to ``end_lr`` (a floor,
   not zero) over the remaining ``decay_steps - warmup_steps`` steps, then flat at end_lr;
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("cosine", "constant")
+DECAY_MASKS = ("matrices", "all")
 
 
 def make_schedule(lr: float, schedule: str = "cosine", warmup_steps: int = 0,
@@ -70,8 +73,12 @@ def make_optimizer(optim_cfg: Mapping[str, Any], total_steps: int
     mu_dtype = {"": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[c.get("mu_dtype", "")]
     clip = c.get("clip_norm", 0) or 0.0
     parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
+    which = c.get("weight_decay_mask", "matrices")
+    if which not in DECAY_MASKS:
+        raise ValueError(f"optim.weight_decay_mask: unknown mask {which!r}; allowed {DECAY_MASKS}")
     adamw = optax.adamw(schedule, b1=c["b1"], b2=c["b2"], eps=c["eps"],
-                        weight_decay=c["weight_decay"], mask=decay_mask, mu_dtype=mu_dtype)
+                        weight_decay=c["weight_decay"],
+                        mask=decay_mask if which == "matrices" else None, mu_dtype=mu_dtype)
     return optax.chain(*parts, adamw), schedule
 
 

@@ -116,3 +116,32 @@ def test_rl_end_to_end_and_resume(rl_setup, tmp_path, compile_cache):
     for _ in range(3):
         next(ref)
     assert saved["iterator"] == ref.get_state()
+
+
+def test_rl_official_semantics_step(rl_setup, tmp_path):
+    """``:semantics=official`` through the real loop: verl micro-batch scales ride in every
+    mini-batch (each update's two denominators are its 16 rows) and only whole mini-batches
+    of groups are kept. (The untrained model never answers right, so the group filter is
+    set back to reward spread here: the official one, tested in test_reproduce, would keep
+    nothing.)"""
+    from klear_jax import rl
+    from klear_jax.metrics import read_jsonl
+    root, tok_dir = rl_setup
+    c = cu.load_config("configs/gppo_tiny.py:semantics=official")
+    n_vocab = len(tk.load_tokenizer(tok_dir))
+    cfg = cu.apply_overrides(c, [
+        f"workdir={tmp_path / 'run'}", f"data.dir={root / 'tfds'}", "data.name=tiny_rl_math",
+        f"data.tokenizer={tok_dir}", f"model.vocab_size={-(-n_vocab // 64) * 64}",
+        "train.total_steps=3", "rollout.max_new_tokens=24", "train.length_bucket=0",
+        "rollout.sample_chunk_prompts=4", "loss.filter_by=reward"])
+    assert rl.run(cfg)["step"] == 3
+    rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    per_mb = cfg.train.batch_prompts // cfg.train.num_minibatches
+    for r in rows:
+        assert r["groups/kept"] % per_mb == 0
+        assert r.get("train/num_updates", 0) == r["groups/kept"] // per_mb
+    trained = [r for r in rows if r.get("train/num_updates", 0) > 0]
+    assert trained, [r["groups/signal_frac"] for r in rows]
+    for r in trained:
+        assert r["train/tokens"] == 2 * 16 * r["train/num_updates"]
+        assert math.isfinite(r["train/loss"]) and r["train/skipped"] == 0

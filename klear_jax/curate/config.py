@@ -32,7 +32,9 @@ def curate_base() -> ml_collections.ConfigDict:
     c.skip_invalid = False              # count and drop malformed records instead of failing
     c.sources = ml_collections.ConfigDict()
     c.select = dict(top_n_per_domain=0)  # 0 = every source
-    c.dedup = dict(prompt=True, response=True, max_unique=0)  # max_unique 0 = unbounded
+    # max_per_prompt: records kept per identical prompt (1 = exact dedup; the paper's SFT set
+    # keeps up to 16 teacher traces per prompt; 0 = no cap). max_unique 0 = unbounded.
+    c.dedup = dict(prompt=True, response=True, max_per_prompt=1, max_unique=0)
     c.decontam = dict(benchmarks=ml_collections.ConfigDict(), n=9, check_response=False)
     c.label = dict(enabled=False, batch_size=64, require_open_think=True, math_workers=2,
                    code_timeout_s=10.0, code_max_tests=16, code_slots=0)
@@ -94,6 +96,8 @@ def validate_curate_config(c) -> None:
     for f in ("prompt", "response"):
         C.need(isinstance(c.dedup[f], bool), f"dedup.{f}", "must be a bool")
     C.need(C.is_int(c.dedup.max_unique) and c.dedup.max_unique >= 0, "dedup.max_unique", "must be an int >= 0")
+    C.need(C.is_int(c.dedup.max_per_prompt) and c.dedup.max_per_prompt >= 0, "dedup.max_per_prompt",
+           "must be an int >= 0 (0 = no cap)")
     for name, p in c.decontam.benchmarks.items():
         p = _paths(p)
         C.need(bool(p) and all(isinstance(x, str) and x for x in p), f"decontam.benchmarks.{name}",

@@ -14,7 +14,8 @@ each enabled by the config (``klear_jax.curate.config.curate_base()`` lists ever
                  Records get `source` (the source's name) and `domain` fields.
   validate       the record schema of `kind` (klear_jax.data.records); a malformed record
                  is an error naming file:line, or with skip_invalid a counted drop.
-  dedup_prompt / dedup_response   exact dedup of normalised text (curate_steps docstring).
+  dedup_prompt / dedup_response   exact dedup of normalised text (curate_steps docstring);
+                 up to `dedup.max_per_prompt` records share a prompt (the paper: 16 traces).
   decontaminate  drop records sharing a word 9-gram with a benchmark problem.
   min_tests      code problems with fewer than `rl_filter.min_tests` tests are dropped.
   label          (sft) teacher traces labelled correct / incorrect with the project rewards.
@@ -100,7 +101,8 @@ def build_steps(c, scorers) -> list:
     check = R.sft_messages if kind == "sft" else (lambda d: R.rl_fields(d, kind))
     steps = [S.validate_step(check, c.skip_invalid)]
     if c.dedup.prompt:
-        steps.append(S.dedup_step("dedup_prompt", S.prompt_text, c.dedup.max_unique))
+        steps.append(S.dedup_step("dedup_prompt", S.prompt_text, c.dedup.max_unique,
+                                  c.dedup.max_per_prompt))
     if c.dedup.response and kind == "sft":
         steps.append(S.dedup_step("dedup_response", S.response_text, c.dedup.max_unique))
     if len(c.decontam.benchmarks):

@@ -213,16 +213,23 @@ def validate_step(check: Callable[[Any], Any], skip_invalid: bool) -> Filter:
     return Filter("validate", decide)
 
 
-def dedup_step(name: str, text_fn: Callable[[dict], str], max_unique: int = 0) -> Filter:
-    """Drops a record whose normalised `text_fn(data)` was seen before ('duplicate').
-    Empty texts (e.g. no response) are never duplicates."""
+def dedup_step(name: str, text_fn: Callable[[dict], str], max_unique: int = 0,
+               max_copies: int = 1) -> Filter:
+    """Drops a record whose normalised `text_fn(data)` was already kept `max_copies` times
+    ('duplicate'; 1 = exact dedup; e.g. 16 keeps up to 16 teacher traces per prompt, 0 =
+    unbounded). Empty texts (e.g. no response) are never duplicates. Copy j of a text is
+    the key (digest, j), so the table holds one key per kept copy."""
     table = HashSet64(max_unique)
 
     def decide(r: RawRecord):
         text = normalize(text_fn(r.data))
-        if not text:
+        if not text or max_copies == 0:
             return None
-        return None if table.add(hash64(text)) else "duplicate"
+        h = hash64(text)
+        for j in range(max_copies):  # the first free copy slot (j = 0 is the digest itself)
+            if table.add((h ^ (j * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF or 1):
+                return None
+        return "duplicate"
 
     step = Filter(name, decide)
     step.table = table

@@ -31,6 +31,9 @@ naming the key.
     reward.math.*           klear_jax.rewards.MathRewardConfig fields (as in RL)
     reward.code.*           CodeRewardConfig format penalties + sandbox limits (as in RL;
                             the mode is always "soft": accuracy = all tests pass)
+    reward.{math,code}.think_check  "none" reproduces the official judges (no tag required);
+                            reward.code.test_selection "all" runs every test (the official
+                            LiveCodeBench harness), "first" the first max_tests
 """
 
 from __future__ import annotations

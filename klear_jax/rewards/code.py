@@ -26,11 +26,15 @@ Scoring never raises for one sample: whatever goes wrong with one test (the prog
 output, a huge or pathological value, even a malformed test) fails that test, and the
 reason is kept in the sample's CodeScore (`score_batch_detailed`).
 
-Reward (CodeRewardConfig.mode), p = fraction of the first `max_tests` tests passed:
+Reward (CodeRewardConfig.mode), p = fraction of the tests run that pass:
     "soft" (default, the paper's) -> p;  "two_p_minus_one" (their code) -> 2p - 1;
     "all_or_nothing" -> 1.0 if p == 1 else 0.0.
-Format (same values as math, from the Klear code): no `<think>` when required -> -2.0,
-no `</think>` -> -0.5, no python block after `</think>` -> no_code (-1.0).
+Tests run (CodeRewardConfig.test_selection): "first" `max_tests` (default), "random"
+(`max_tests` drawn per response, as the authors' reward code does; seeded by test_seed), or
+"all" (the official LiveCodeBench harness; `max_tests` ignored).
+Format (same values and `think_check` as math, klear_jax.rewards.math.format_reward): no
+`<think>` when required -> -2.0, no `</think>` -> -0.5, then no python block after
+`</think>` (or anywhere, when there is none and think_check is "none") -> no_code (-1.0).
 """
 from __future__ import annotations
 
@@ -39,9 +43,12 @@ import dataclasses
 import decimal
 import json
 import math
+import random
 import re
 import secrets
+import threading
 
+from klear_jax.rewards.math import check_think_check, format_problem
 from klear_jax.rewards.pool import Closing, SharedPerConfig
 from klear_jax.rewards.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
 
@@ -49,6 +56,7 @@ _BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGN
 MODES = ("soft", "two_p_minus_one", "all_or_nothing")
 MAX_DEPTH = 100           # deepest list/dict a call-based result may be
 MAX_REASON_CHARS = 200    # failure reasons kept in a CodeScore
+TEST_SELECTIONS = ("first", "random", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +66,9 @@ class CodeRewardConfig:
     missing_close_think: float = -0.5
     missing_open_think: float = -2.0
     require_open_think: bool = True
+    think_check: str = "open_first"    # klear_jax.rewards.math.THINK_CHECKS
+    test_selection: str = "first"      # TEST_SELECTIONS (module docstring)
+    test_seed: int = 0                 # seeds the "random" draws of a scorer
     # Identical programs graded on identical tests within one batch run once and share the
     # result (sampled groups repeat programs often: the demo's held-out code samples at T=1.0
     # hold ~1/3 unique programs). Off by default: a program that draws random numbers then
@@ -68,6 +79,10 @@ class CodeRewardConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"CodeRewardConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.test_selection not in TEST_SELECTIONS:
+            raise ValueError(f"CodeRewardConfig.test_selection must be one of "
+                             f"{TEST_SELECTIONS}, got {self.test_selection!r}")
+        check_think_check(self)
 
 
 def extract_code(response: str) -> str | None:
@@ -300,16 +315,26 @@ class CodeScorer(Closing):
         self.sandbox = Sandbox(self.cfg.sandbox)
         self._runs = cf.ThreadPoolExecutor(self.cfg.sandbox.slots, thread_name_prefix="sbx")
         self._batches = cf.ThreadPoolExecutor(1, thread_name_prefix="sbx-batch")
+        self._rng, self._rng_lock = random.Random(self.cfg.test_seed), threading.Lock()
 
     def _format(self, response: str) -> CodeScore | None:
-        cfg = self.cfg
-        if cfg.require_open_think and "<think>" not in response:
-            return CodeScore(cfg.missing_open_think, format="no <think>")
-        if "</think>" not in response:
-            return CodeScore(cfg.missing_close_think, format="no </think>")
+        """The format penalty (think_check orders the tag checks) or no code block, else
+        None: the program runs."""
+        problem = format_problem(response, self.cfg)
+        if problem is not None:
+            return CodeScore(problem[0], format=problem[1])
         if extract_code(response) is None:
-            return CodeScore(cfg.no_code, format="no python block after </think>")
+            return CodeScore(self.cfg.no_code, format="no python block after </think>")
         return None
+    def _test_indices(self, n: int) -> list[int]:
+        """Which of a problem's n tests to run (test_selection)."""
+        m = self.cfg.sandbox.max_tests
+        if self.cfg.test_selection == "all" or n <= m:
+            return list(range(n))
+        if self.cfg.test_selection == "first":
+            return list(range(m))
+        with self._rng_lock:
+            return sorted(self._rng.sample(range(n), m))
 
     def score_batch(self, responses: list[str], tests_list: list[dict]) -> list[float]:
         return [s.reward for s in self.score_batch_detailed(responses, tests_list)]
@@ -328,18 +353,18 @@ class CodeScorer(Closing):
                 raise ValueError(f"batch item {k}: {e}") from None
         rewards = [self._format(r) for r in responses]
         futures, seen = {}, {}
-        n_max = self.cfg.sandbox.max_tests
         for k, r in enumerate(responses):
             if rewards[k] is None:
                 code = extract_code(r)
-                key = (code, json.dumps(tests_list[k], sort_keys=True)) if self.cfg.dedupe else k
+                idx = self._test_indices(len(tests_list[k]["inputs"]))
+                key = ((code, json.dumps(tests_list[k], sort_keys=True), tuple(idx))
+                       if self.cfg.dedupe else k)
                 if key in seen:
                     futures[k] = seen[key]
                     continue
-                n = min(n_max, len(tests_list[k]["inputs"]))
                 futures[k] = seen[key] = [
                     self._runs.submit(_run_one, self.sandbox, code, tests_list[k], i)
-                    for i in range(n)]
+                    for i in idx]
         for k, fs in futures.items():
             reasons = [f.result() for f in fs]
             failures = [(i, why) for i, why in enumerate(reasons) if why is not None]

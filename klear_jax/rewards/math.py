@@ -5,8 +5,11 @@ Rewards (paper section 5, the Klear code's values; all in MathRewardConfig):
     response lacks `</think>`                                   -> missing_close_think (-0.5)
     answer after the last `</think>` verifies against the gold  -> correct (+1.0)
     otherwise (wrong, unparsable, checker hung or crashed)      -> wrong (-1.0)
-The missing-`<think>` check comes first. Set `require_open_think=False` when the chat
-template puts `<think>` in the prompt (Qwen3-style), so responses never contain it.
+`think_check` orders the two tag checks (a response lacking both gets the first one's
+penalty): "open_first" (default: -2.0), "close_first" (the authors' reward code: -0.5), or
+"none" (the official eval judge: no tag is required; the answer is the text after the last
+`</think>`, or the whole response). Set `require_open_think=False` when the chat template
+puts `<think>` in the prompt (Qwen3-style), so responses never contain it.
 
 The check runs in a DeadlinePool of spawned worker processes (math-verify uses signal
 alarms, which only work in a main thread), so a batch's answers are checked in parallel,
@@ -29,6 +32,7 @@ import time
 from klear_jax.rewards.pool import Closing, DeadlinePool, SharedPerConfig
 
 MAX_LOG_CHARS = 300
+THINK_CHECKS = ("open_first", "close_first", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,16 @@ class MathRewardConfig:
     num_workers: int = 2
     deadline_s: float = 10.0           # hard per-item limit, enforced by the parent
     verify_timeout_s: int = 5          # one item's budget inside the worker (signal alarms)
+    think_check: str = "open_first"    # THINK_CHECKS: order of the tag checks, or none
+
+    def __post_init__(self):
+        check_think_check(self)
+
+
+def check_think_check(cfg) -> None:
+    if cfg.think_check not in THINK_CHECKS:
+        raise ValueError(f"{type(cfg).__name__}.think_check must be one of {THINK_CHECKS}, "
+                         f"got {cfg.think_check!r}")
 
 
 def _wrap_gold(answer: str) -> str:
@@ -105,13 +119,23 @@ def _warm_up_verify_answer() -> None:
 verify_answer.worker_warm_up = _warm_up_verify_answer
 
 
-def format_reward(response: str, cfg: MathRewardConfig) -> float | None:
+def format_problem(response: str, cfg) -> tuple[float, str] | None:
+    """(format penalty, what is missing) for `response`, or None when the format is fine
+    (`cfg`: a MathRewardConfig or CodeRewardConfig; `think_check` orders the checks)."""
+    if cfg.think_check == "none":
+        return None
+    checks = [(cfg.require_open_think and "<think>" not in response, cfg.missing_open_think,
+               "no <think>"),
+              ("</think>" not in response, cfg.missing_close_think, "no </think>")]
+    if cfg.think_check == "close_first":
+        checks.reverse()
+    return next(((penalty, why) for missing, penalty, why in checks if missing), None)
+
+
+def format_reward(response: str, cfg) -> float | None:
     """The format penalty for `response`, or None when the format is fine."""
-    if cfg.require_open_think and "<think>" not in response:
-        return cfg.missing_open_think
-    if "</think>" not in response:
-        return cfg.missing_close_think
-    return None
+    problem = format_problem(response, cfg)
+    return None if problem is None else problem[0]
 
 
 def final_answer_text(response: str) -> str:

@@ -10,7 +10,8 @@ Each scorer is created on first use (a math-only run needs no sandbox). ``refs``
 gold answers (math) or the test dicts (code). A response is *correct* when it earns its
 kind's full reward (``max_reward``): math verifies; code passes every test it ran.
 ``pass_rate`` is the soft pass rate for code (the fraction of tests passed, 0 for a format
-failure) and 0/1 correctness for math.
+failure; read from the reward, so only in code mode "soft", which eval and curation use)
+and 0/1 correctness for math.
 """
 
 from __future__ import annotations

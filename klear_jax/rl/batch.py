@@ -18,6 +18,13 @@ RL batch layout, one row per kept response (rows of a group contiguous), all [R,
 
 Empty padding rows (mini-batch fill) are all zero with input_ids = pad_id: they add nothing
 to any loss sum or denominator.
+
+With ``loss.normalize = "microbatch"`` (the authors' verl run, :func:`verl_microbatch_scales`)
+each mini-batch also carries, [R] float32:
+
+    pg_scale   n_m / T_m: rows / response tokens of the emulated verl micro-batch m holding
+               the row (0 for padding)
+    sft_scale  n_m / P_m for a positive row (P_m: positive response tokens in m), else 0
 """
 
 from __future__ import annotations
@@ -98,15 +105,26 @@ def group_advantages(rewards, estimator: str = "grpo", use_std: bool = True) -> 
     return np.asarray(a, np.float32)
 
 
+def mixed_correct_mask(correct) -> np.ndarray:
+    """bool [P]: the group holds a response with the full reward and one without (the
+    authors' filter: std of per-response accuracy > 0). correct: bool [P, G]."""
+    c = np.asarray(correct, bool)
+    return c.any(axis=1) & ~c.all(axis=1)
+
+
 def select_groups(rewards, batch_prompts: int, filter_zero_adv: bool = True,
-                  atol: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+                  atol: float = 1e-6, correct=None) -> tuple[np.ndarray, np.ndarray]:
     """(kept prompt indices int [k] in sampling order, has_signal bool [P]).
 
-    With ``filter_zero_adv`` only groups whose rewards differ (beyond ``atol``) are
-    candidates; at most ``batch_prompts`` of them are kept (over-generation cap). Nothing
-    is padded in: with too few candidates the batch shrinks.
+    A group has a signal when its rewards differ (beyond ``atol``: the paper's text), or,
+    given ``correct`` [P, G], when its full correctness is mixed (:func:`mixed_correct_mask`,
+    the authors' code: it also drops code groups with partial passes but no full pass and
+    math groups differing only by a format penalty). With ``filter_zero_adv`` only groups
+    with a signal are candidates; at most ``batch_prompts`` of them are kept (over-generation
+    cap). Nothing is padded in: with too few candidates the batch shrinks.
     """
-    signal = np.asarray(group_filter_mask(np.asarray(rewards, np.float32), atol))
+    signal = (np.asarray(group_filter_mask(np.asarray(rewards, np.float32), atol))
+              if correct is None else mixed_correct_mask(correct))
     cand = np.nonzero(signal)[0] if filter_zero_adv else np.arange(signal.shape[0])
     return cand[:batch_prompts], signal
 
@@ -214,3 +232,45 @@ def split_minibatches(batch: dict[str, np.ndarray], rows_per_minibatch: int, pad
             mb = {k: np.concatenate([v, fill[k].astype(v.dtype)]) for k, v in mb.items()}
         out.append(mb)
     return out
+
+
+def _balanced_parts(rows: list[int], size: np.ndarray, k: int) -> list[list[int]]:
+    """``rows`` split into k parts of near-equal total ``size``: longest first into the
+    lightest part (verl balances with Karmarkar-Karp; the same split for <= 3 rows)."""
+    parts, load = [[] for _ in range(k)], [0] * k
+    for r in sorted(rows, key=lambda r: -int(size[r])):
+        j = load.index(min(load))
+        parts[j].append(r)
+        load[j] += int(size[r])
+    return parts
+
+
+def verl_microbatch_scales(mb: dict[str, np.ndarray], rows_per_device: int, max_tokens: int
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """(pg_scale [R], sft_scale [R]) that make the global-denominator loss equal the authors'
+    verl update (dp_actor with use_dynamic_bsz, loss_agg_mode token-mean).
+
+    There, each data-parallel group holds ``rows_per_device`` consecutive rows of a
+    mini-batch, split into ceil(total tokens / ``max_tokens``) balanced micro-batches (tokens =
+    prompt + response, verl's attention mask); each micro-batch m of n_m rows adds
+    (n_m / rows_per_device) x [token-mean policy loss over its T_m response tokens + alpha x
+    token-mean NLL over its P_m positive-response tokens (0 when it has none)], and gradients
+    are averaged over the groups. So the update is (1/R) sum_m n_m (policy_m / T_m +
+    alpha sft_m / P_m) with R the mini-batch's rows: per-row scales n_m / T_m and n_m / P_m
+    over a denominator of R (``klear_jax.rl.loss``). Padding rows get 0."""
+    seq = np.sum(np.asarray(mb["segment_ids"]) > 0, axis=1)
+    tok = np.sum(np.asarray(mb["loss_mask"]) > 0, axis=1)
+    pos = tok * (np.asarray(mb["positive"]) > 0)
+    R = seq.shape[0]
+    pg, sft = np.zeros(R, np.float32), np.zeros(R, np.float32)
+    for start in range(0, R, rows_per_device):
+        rows = [r for r in range(start, min(start + rows_per_device, R)) if seq[r] > 0]
+        if not rows:
+            continue
+        k = min(len(rows), -(-int(seq[rows].sum()) // int(max_tokens)))
+        for part in _balanced_parts(rows, seq, k):
+            n, t, p = len(part), int(tok[part].sum()), int(pos[part].sum())
+            for r in part:
+                pg[r] = n / t if t else 0.0
+                sft[r] = n / p if p and pos[r] else 0.0
+    return pg, sft

@@ -28,6 +28,11 @@ Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
     train.length_bucket     int   rows are right-padded to a multiple of this (capped at
                                   max_prompt_len + max_new_tokens); 0 = always the cap (one
                                   compiled shape)
+    train.partial_minibatch str   a last mini-batch with fewer groups than the others (a
+                                  short step): "full" (a full-size step, default) |
+                                  "scaled" (loss x its rows / a full mini-batch's, verl's
+                                  actor) | "drop" (not trained on: the authors' trainer cuts
+                                  a short batch to whole device multiples)
     train.max_consecutive_skips, train.log_every   as in SFT
     loss.kind               str   klear_jax.losses.POLICY_LOSSES ("gppo")
     loss.eps_low / eps_high float clip range (0.2 / 0.28)
@@ -38,11 +43,26 @@ Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
     loss.sft_alpha          float weight of the NLL on max-reward responses (0.1)
     loss.adv_estimator      str   "grpo" | "rloo"
     loss.adv_use_std        bool  GRPO divides by the group std (False = Dr.GRPO)
-    loss.filter_zero_adv    bool  drop groups whose rewards are all equal
+    loss.normalize          str   "minibatch" (the paper's 1 / sum_j T_j over the whole
+                                  mini-batch, per agg; default) | "microbatch" (the
+                                  authors' verl run: token-mean per emulated micro-batch,
+                                  klear_jax.rl.loss; agg must be token-mean)
+    loss.verl_devices       int   data-parallel groups of the emulated verl run (256 GPUs /
+                                  Ulysses 4 = 64): each holds mini-batch rows / verl_devices
+                                  rows, split into micro-batches of at most max_prompt_len +
+                                  max_new_tokens tokens (only with normalize = microbatch)
+    loss.filter_zero_adv    bool  drop groups without a learning signal (filter_by)
+    loss.filter_by          str   "reward" (rewards not all equal: the paper's text) |
+                                  "correct" (some response with the full reward and some
+                                  without: the authors' code, filter metric "acc")
     loss.overlong_filter    bool  mask truncated responses out of the loss
     optim.warmup_steps / decay_steps  count RL steps, as in verl (the optimizer sees up to
                                   K updates per step; ``klear_jax.rl.step.rl_optimizer``
                                   scales both by K)
+
+The paper-setting configs (``configs/gppo_*_qwen3_8b.py``) default to the paper's text;
+their variant ``:semantics=official`` sets every key of :data:`OFFICIAL` to the authors'
+released run at once (``klear_jax.config.set_semantics``; docs/reproduce.md).
 """
 
 from __future__ import annotations
@@ -51,8 +71,24 @@ import ml_collections
 
 from klear_jax import config as C
 from klear_jax import losses
+from klear_jax.rl.loss import NORMALIZE, PARTIAL_MINIBATCH
 
 ADV_ESTIMATORS = ("grpo", "rloo")
+FILTER_BY = ("reward", "correct")
+
+# ``:semantics=official`` on the RL configs: the authors' released run (their verl fork,
+# recipe/dapo/perf_run_dapo_ours_{math,code}.sh) where it departs from the paper's text.
+# docs/reproduce.md has one row per key, with the paper's value and the reason.
+OFFICIAL = {
+    "loss.normalize": "microbatch",          # dp_actor: token-mean per dynamic micro-batch
+    "loss.filter_by": "correct",             # filter_groups.metric = acc
+    "train.partial_minibatch": "drop",       # batch cut to a multiple of the GPU count
+    "reward.code.mode": "two_p_minus_one",   # mean of +1 / -1 per test
+    "reward.code.test_selection": "random",  # random.sample(tests, 16) per response
+    "reward.math.think_check": "close_first",  # </think> checked before <think>
+    "reward.code.think_check": "close_first",
+    "optim.weight_decay_mask": "all",        # torch AdamW over model.parameters()
+}
 
 
 def rl_base() -> ml_collections.ConfigDict:
@@ -63,10 +99,12 @@ def rl_base() -> ml_collections.ConfigDict:
                      repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
                      sample_chunk_prompts=0)
     c.train = dict(total_steps=1, batch_prompts=128, num_minibatches=8, num_microbatches=1,
-                   length_bucket=0, max_consecutive_skips=5, log_every=1)
+                   length_bucket=0, partial_minibatch="full", max_consecutive_skips=5,
+                   log_every=1)
     c.loss = dict(kind="gppo", eps_low=0.2, eps_high=0.28, beta1=1.0, beta2=1.0,
                   dual_clip=10.0, agg="token-mean", norm_length=0.0, sft_alpha=0.1,
-                  adv_estimator="grpo", adv_use_std=True, filter_zero_adv=True,
+                  normalize="minibatch", verl_devices=64, adv_estimator="grpo",
+                  adv_use_std=True, filter_zero_adv=True, filter_by="reward",
                   overlong_filter=False)
     c.reward = C.reward_block()
     c.optim.update(lr=1e-6, end_lr=1e-6, schedule="constant", warmup_steps=10,
@@ -119,6 +157,7 @@ def validate_rl_config(c, num_devices: int | None = None) -> None:
                f"micro-batch of {rows // nm} rows is not divisible by mesh.data * mesh.fsdp = "
                f"{shards}")
     C.check_int(c, f"{t}.length_bucket", lo=0)
+    C.check_choice(c, f"{t}.partial_minibatch", PARTIAL_MINIBATCH, "mode")
     C.check_int(c, f"{t}.max_consecutive_skips", lo=1)
     C.check_int(c, f"{t}.log_every", lo=1)
 
@@ -135,6 +174,13 @@ def validate_rl_config(c, num_devices: int | None = None) -> None:
     if c.loss.agg == "seq-mean-token-sum-norm":
         C.need(nl > 0, f"{L}.norm_length", "must be > 0 with agg = seq-mean-token-sum-norm")
     C.check_num(c, f"{L}.sft_alpha", lo=0)
+    if C.check_choice(c, f"{L}.normalize", NORMALIZE, "normalisation") == "microbatch":
+        C.need(c.loss.agg == "token-mean", f"{L}.agg",
+               f"must be token-mean with loss.normalize = microbatch, got {c.loss.agg!r}")
+        dev = C.check_int(c, f"{L}.verl_devices", lo=1)
+        C.need(rows % dev == 0, f"{L}.verl_devices",
+               f"a mini-batch of {rows} rows is not divisible by {dev} emulated devices")
+    C.check_choice(c, f"{L}.filter_by", FILTER_BY, "filter")
     C.check_choice(c, f"{L}.adv_estimator", ADV_ESTIMATORS, "estimator")
     for b in ("adv_use_std", "filter_zero_adv", "overlong_filter"):
         C.check_bool(c, f"{L}.{b}")

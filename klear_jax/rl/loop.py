@@ -38,7 +38,8 @@ from klear_jax.rewards.scorers import Scorers
 from klear_jax.rl import batch as rb
 from klear_jax.rl import metrics as rm
 from klear_jax.rl.config import validate_rl_config
-from klear_jax.rl.step import build_logprob_fn, build_rl_step, minibatch_rows, rl_optimizer
+from klear_jax.rl.step import (build_logprob_fn, build_rl_step, minibatch_rows, rl_optimizer,
+                               verl_rows_per_device)
 from klear_jax.sampler import Sampler, SamplingParams
 from klear_jax.trainer import Trainer
 
@@ -111,6 +112,7 @@ class RLStep:
         self.scorers = Scorers(C.math_reward_config(cfg), C.code_reward_config(cfg))
         self.bsh = ts.batch_sharding(mesh)
         self.mb_rows = minibatch_rows(cfg) // self.n_proc
+        self.verl_rows = verl_rows_per_device(cfg)
         self.batch_prompts = tr.batch_prompts // self.n_proc
         self.cap = ro.max_prompt_len + ro.max_new_tokens
 
@@ -130,10 +132,16 @@ class RLStep:
         return score_responses(self.scorers, ro.records, ro.texts, self.G)
 
     def build_minibatches(self, ro: Rollout, rewards, correct):
-        """(host mini-batches, kept group indices, has-signal mask [P], row length)."""
+        """(host mini-batches, kept group indices, has-signal mask [P], row length).
+
+        ``train.partial_minibatch = "drop"`` keeps whole mini-batches of groups only (per
+        process); ``loss.normalize = "microbatch"`` adds each mini-batch's verl scales."""
         lc, G = self.cfg.loss, self.G
         adv = rb.group_advantages(rewards, lc.adv_estimator, lc.adv_use_std)
-        kept, signal = rb.select_groups(rewards, self.batch_prompts, lc.filter_zero_adv)
+        kept, signal = rb.select_groups(rewards, self.batch_prompts, lc.filter_zero_adv,
+                                        correct=correct if lc.filter_by == "correct" else None)
+        if self.cfg.train.partial_minibatch == "drop":
+            kept = kept[:len(kept) // (self.mb_rows // G) * (self.mb_rows // G)]
         needed = max((len(ro.prompts[p]) + int(ro.lengths[p * G + g])
                       for p in kept for g in range(G)), default=1)
         seq_len = rb.bucket_length(_max_over_processes(needed), self.cfg.train.length_bucket,
@@ -144,6 +152,10 @@ class RLStep:
         mbs = rb.split_minibatches(batch, self.mb_rows, self.pad_id)
         n_upd = _max_over_processes(len(mbs))  # every process runs the same updates
         mbs += [rb.empty_rows(self.mb_rows, seq_len, self.pad_id) for _ in range(n_upd - len(mbs))]
+        if lc.normalize == "microbatch":
+            for mb in mbs:
+                mb["pg_scale"], mb["sft_scale"] = rb.verl_microbatch_scales(
+                    mb, self.verl_rows, self.cap)
         return mbs, kept, signal, seq_len
 
     def old_logprobs(self, params, mbs):

@@ -10,6 +10,19 @@ tokens (loss_mask); ``sft_sum`` / ``D_sft``: NLL over the response tokens of max
 responses (``positive``), ``losses.positive_sft_terms``. Batch keys: see ``klear_jax.rl.batch``; plus
 ``old_logp`` [B, T] from :func:`make_logprob_fn` on the pre-update params.
 
+``normalize`` (config ``loss.normalize``):
+  "minibatch"   (default; the paper's equations) D_pg = the ``agg`` denominator of the whole
+                mini-batch (token-mean: its response tokens), D_sft = its positive tokens.
+  "microbatch"  (the authors' verl run) rows carry ``pg_scale`` / ``sft_scale``
+                (``rl.batch.verl_microbatch_scales``): policy_sum = sum_r pg_scale_r x
+                (row r's token sum), sft_sum likewise, and D_pg = D_sft = the mini-batch's
+                rows R: each emulated verl micro-batch is a token-mean weighted by its rows.
+``partial_minibatch`` (config ``train.partial_minibatch``), for a mini-batch holding fewer
+real rows than its nominal B (the last one of a short step): "full" takes a full-size step;
+"scaled" multiplies the loss by real / B (verl's ``len(data) / ppo_mini_batch_size``; under
+"microbatch" R = B then); "drop" never sees one (``rl.loop`` drops it; R = B as "scaled").
+A mini-batch with no response token has denominators 0, so the train step skips it.
+
 Log-probs use the sampling temperature (logits / T), as the sampler's do, so the ratio is
 taken between the same distributions the responses were drawn from.
 """
@@ -28,6 +41,8 @@ from klear_jax import sharding as shd
 from klear_jax import train_step as ts
 
 sg = jax.lax.stop_gradient
+NORMALIZE = ("minibatch", "microbatch")
+PARTIAL_MINIBATCH = ("full", "scaled", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +52,16 @@ class RLLossConfig:
     policy: losses.PolicyLoss = losses.PolicyLoss(dual_clip=10.0)
     sft_alpha: float = 0.1
     temperature: float = 1.0   # the sampling temperature: log-probs of logits / T
+    normalize: str = "minibatch"       # NORMALIZE (module docstring)
+    partial_minibatch: str = "full"    # PARTIAL_MINIBATCH (module docstring)
+
+    def __post_init__(self):
+        if self.normalize not in NORMALIZE:
+            raise ValueError(f"RLLossConfig.normalize must be one of {NORMALIZE}, "
+                             f"got {self.normalize!r}")
+        if self.partial_minibatch not in PARTIAL_MINIBATCH:
+            raise ValueError(f"RLLossConfig.partial_minibatch must be one of "
+                             f"{PARTIAL_MINIBATCH}, got {self.partial_minibatch!r}")
 
     @classmethod
     def from_config(cls, cfg) -> "RLLossConfig":
@@ -45,7 +70,8 @@ class RLLossConfig:
                                    beta1=lc.beta1, beta2=lc.beta2,
                                    dual_clip=lc.dual_clip or None, agg=lc.agg,
                                    norm_length=lc.norm_length or None)
-        return cls(policy, float(lc.sft_alpha), float(cfg.rollout.temperature))
+        return cls(policy, float(lc.sft_alpha), float(cfg.rollout.temperature),
+                   lc.normalize, cfg.train.partial_minibatch)
 
 
 class RLLoss(NamedTuple):
@@ -62,22 +88,34 @@ def make_rl_loss(lc: RLLossConfig = RLLossConfig()) -> RLLoss:
     ratio_min / ratio_max, approx_kl, tokens (policy tokens), sft_nll (mean NLL of the
     positive responses), sft_tokens."""
     policy = lc.policy
+    micro = lc.normalize == "microbatch"
 
     def loss_fn(model, mb):
         logp, _ = model.token_logprobs(mb["input_ids"], mb["targets"], None, mb["segment_ids"],
                                        temperature=lc.temperature)
         mask = mb["loss_mask"]
-        pg_sum, pg_den, sums = losses.policy_loss_terms(logp, mb["old_logp"], mb["advantages"],
-                                                        mask, policy)
-        sft_sum, sft_den = losses.positive_sft_terms(logp, mask, mb["positive"])
+        pg_sum, pg_den, sums = losses.policy_loss_terms(
+            logp, mb["old_logp"], mb["advantages"], mask, policy,
+            row_weights=mb["pg_scale"] if micro else None)
+        sft_sum, sft_den = losses.positive_sft_terms(logp, mask,
+                                                     mb["sft_scale"] if micro else mb["positive"])
         sums = dict(sums, sft_nll=sg(sft_sum))
         return {"pg": pg_sum, "sft": sft_sum}, {"pg": pg_den, "sft": sft_den}, sums
 
     def denom_fn(batch):
         m = batch["loss_mask"] > 0
+        B = m.shape[0]
+        real = jnp.sum(jnp.any(batch["segment_ids"] > 0, axis=-1), dtype=jnp.float32)
+        if micro:
+            rows = real if lc.partial_minibatch == "full" else jnp.float32(B)
+            d = jnp.where(jnp.any(m), rows, 0.0)
+            return {"pg": d, "sft": d}
         w = batch["positive"].astype(jnp.float32)[:, None]
         sft = jnp.sum(jnp.where(m & (w > 0), jnp.broadcast_to(w, m.shape), 0.0))
-        return {"pg": losses.agg_denominator(m, policy.agg, policy.norm_length), "sft": sft}
+        pg = losses.agg_denominator(m, policy.agg, policy.norm_length)
+        if lc.partial_minibatch != "full":  # loss x real / B
+            pg, sft = pg * B / jnp.maximum(real, 1.0), sft * B / jnp.maximum(real, 1.0)
+        return {"pg": pg, "sft": sft}
 
     def finalize_metrics(sums, denom):
         out = losses.finalize_metrics({k: v for k, v in sums.items() if k != "sft_nll"},

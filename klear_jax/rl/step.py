@@ -14,6 +14,7 @@ from klear_jax.rl import loss as rl_loss
 BATCH_KEYS_2D = {"input_ids": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
                  "segment_ids": jnp.int32, "old_logp": jnp.float32}
 BATCH_KEYS_1D = {"advantages": jnp.float32, "positive": jnp.float32}
+SCALE_KEYS = {"pg_scale": jnp.float32, "sft_scale": jnp.float32}  # loss.normalize microbatch
 
 
 def rl_optimizer(cfg):
@@ -53,5 +54,13 @@ def batch_shapes(cfg, seq_len: int | None = None) -> dict:
     R = minibatch_rows(cfg)
     T = seq_len or cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
     out = {k: ((R, T), dt) for k, dt in BATCH_KEYS_2D.items()}
-    out.update({k: ((R,), dt) for k, dt in BATCH_KEYS_1D.items()})
+    keys_1d = BATCH_KEYS_1D
+    if cfg.loss.normalize == "microbatch":
+        keys_1d = dict(keys_1d, **SCALE_KEYS)
+    out.update({k: ((R,), dt) for k, dt in keys_1d.items()})
     return out
+
+
+def verl_rows_per_device(cfg) -> int:
+    """Rows one emulated verl device holds per mini-batch (loss.normalize = microbatch)."""
+    return minibatch_rows(cfg) // cfg.loss.verl_devices

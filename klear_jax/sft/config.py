@@ -21,6 +21,11 @@ locked, so a typo fails naming the key. ``validate_sft_config`` checks every val
     train.max_consecutive_skips int  stop after this many non-finite steps in a row
     train.log_every         int   host-side metric logging cadence (steps)
     train.loss_agg          str   SFT loss aggregation, klear_jax.losses.AGG_MODES
+
+The paper-setting config (``configs/sft_qwen3_8b.py``) takes ``:semantics=official`` like
+the RL ones: it sets :data:`OFFICIAL` (the SFT trainer of the authors' verl fork: over-long
+rows are refused, not truncated; AdamW decays every parameter). Their SFT run itself is not
+released (docs/reproduce.md).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import ml_collections
 
 from klear_jax import config as C
+
+OFFICIAL = {"data.overlong": "drop", "optim.weight_decay_mask": "all"}
 
 
 def sft_base() -> ml_collections.ConfigDict:
