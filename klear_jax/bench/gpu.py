@@ -36,8 +36,8 @@ GPU_1_7B = dict(
     model=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
                num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
                logprob_chunk_size=1024),
-    train_shapes=((4, 4096), (1, 16384)), steps=5, prompts=64, prompt_len=256,
-    new_tokens=512, sample_reps=3, matmul_n=8192, matmul_reps=10, copy_bytes=4 << 30)
+    train_shapes=((4, 4096), (1, 16384)), steps=4, prompts=64, prompt_len=256,
+    new_tokens=512, sample_reps=2, matmul_n=8192, matmul_reps=10, copy_bytes=4 << 30)
 GPU_QUICK = dict(
     model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
