@@ -31,6 +31,7 @@ smaller slices.
 
 from klear_jax import config as C
 from klear_jax.eval import config as ec
+from klear_jax.policy import PAPER_SAMPLING
 
 NATIVE_RESPONSE = 32768  # longest budget without YaRN (Qwen3: 40960 positions, prompts <= 4096)
 
@@ -47,8 +48,7 @@ def get_config(arg=None):
         ec.add_benchmark(c, name, "math", num_samples=a.aime_k)
     for name in ("lcb_v5", "lcb_v6"):
         ec.add_benchmark(c, name, "code", num_samples=a.lcb_k)
-    ec.add_setting(c, "paper", temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.05,
-                   max_new_tokens=a.max_new, num_samples=0)
+    ec.add_setting(c, "paper", **PAPER_SAMPLING, max_new_tokens=a.max_new, num_samples=0)
     # The official judges: no tag required, every LiveCodeBench test run.
     c.reward.math.update(think_check="none", num_workers=8, deadline_s=30.0)
     c.reward.code.update(think_check="none", test_selection="all", timeout_s=35.0, max_tests=16)

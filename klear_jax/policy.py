@@ -5,18 +5,26 @@ a mesh), its tokenizer, and the pad / stop ids every stage samples with.
     model = model_from_init(cfg, mesh)            # cfg.init / cfg.model / cfg.seed
     tok = resolve_tokenizer(None, "path/to/checkpoint")
     pad_id, stop_ids = special_ids(tok, model.config.vocab_size)
+    gen = generation_config(tok, model.config.vocab_size)   # HF generation_config.json
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import orbax.checkpoint as ocp
 
 from klear_jax import checkpoint as ckpt
 from klear_jax import config as cfglib
+from klear_jax.data.prepare import VERSION as PREPARED_VERSION
 from klear_jax.data.tokenizer import load_tokenizer
 from klear_jax.models import ModelConfig, create_model, from_hf
+
+# The paper's sampling for evaluation (Klear-Reasoner, section 4; the authors'
+# benchmarks/inference.py): configs/eval_qwen3_8b.py evaluates with it and HF exports carry
+# it in generation_config.json.
+PAPER_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.05)
 
 
 def is_hf_dir(path: str) -> bool:
@@ -48,15 +56,26 @@ def model_from_init(cfg, mesh):
 
 
 def saved_run_tokenizer(path: str, step: int = -1) -> str | None:
-    """``data.tokenizer`` of the run config saved with an SFT / RL checkpoint, if any."""
+    """The tokenizer directory a run's saved config names: ``data.tokenizer`` (RL), else the
+    tokenizer its pre-tokenised dataset ``data.dir`` / ``data.name`` was prepared with
+    (SFT; read from the dataset's prepare report). None when there is none."""
     try:
         mngr = ocp.CheckpointManager(ckpt.resolve_dir(path),
                                      options=ocp.CheckpointManagerOptions(read_only=True))
         s = mngr.latest_step() if step < 0 else step
         saved = mngr.restore(s, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         mngr.close()
-        return (saved["config"].get("data") or {}).get("tokenizer") or None
+        data = saved["config"].get("data") or {}
     except Exception:  # params-only checkpoints and HF dirs carry no run config
+        return None
+    if data.get("tokenizer"):
+        return data["tokenizer"]
+    report = os.path.join(data.get("dir") or "", data.get("name") or "", PREPARED_VERSION,
+                          "prepare_report.json")
+    try:
+        with open(report) as f:
+            return json.load(f)["config"]["tokenizer"] or None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -93,3 +112,11 @@ def special_ids(tok, vocab_size: int) -> tuple[int, tuple[int, ...]]:
     ids = (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>"))
     stop = tuple(sorted({i for i in ids if isinstance(i, int) and 0 <= i < vocab_size}))
     return int(pad_id), stop
+
+
+def generation_config(tok, vocab_size: int) -> dict:
+    """HF ``generation_config.json`` fields: the paper's sampling, and the stop / pad ids
+    this project samples with (``special_ids``)."""
+    pad_id, stop = special_ids(tok, vocab_size)
+    return {"do_sample": True, **PAPER_SAMPLING, "eos_token_id": list(stop),
+            "pad_token_id": pad_id}

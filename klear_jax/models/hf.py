@@ -153,9 +153,12 @@ def from_hf(hf_dir: str, dtype: str = "float32", param_dtype: str | None = None,
 
 
 def to_hf(model: Qwen, out_dir: str, max_shard_bytes: int = 5 * 2**30,
-          dtype: str | None = None) -> None:
+          dtype: str | None = None, tokenizer=None,
+          generation_config: dict[str, Any] | None = None) -> None:
     """Writes config.json + model.safetensors (or model-0000i-of-0000N.safetensors with an
-    index when larger than ``max_shard_bytes``), loadable by AutoModelForCausalLM.
+    index when larger than ``max_shard_bytes``), loadable by AutoModelForCausalLM; with a
+    ``tokenizer`` its files (chat template included) and with ``generation_config`` a
+    generation_config.json, so AutoTokenizer and ``generate`` use the export as it is.
 
     dtype: storage dtype for the files (default: the parameters' own). One leaf at a time is
     gathered to the host; on multi-host runs every process gathers, process 0 writes.
@@ -208,3 +211,8 @@ def to_hf(model: Qwen, out_dir: str, max_shard_bytes: int = 5 * 2**30,
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                           indent=2)
+        if generation_config is not None:
+            with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+                json.dump(dict(generation_config), f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
