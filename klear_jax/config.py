@@ -33,6 +33,13 @@ Shared blocks (keys and meaning):
     checkpoint.every_steps  int   save every N steps (and always at the end)
     checkpoint.keep         int   keep the last K checkpoints
     checkpoint.async_save   bool  write checkpoints in a background thread
+    metrics.wandb           bool  also log to Weights & Biases (process 0; needs the
+                                  ``wandb`` extra: pip install 'klear-jax[wandb]')
+    metrics.wandb_project   str   W&B project
+    metrics.wandb_name      str   W&B run name ("" = the workdir's base name)
+    metrics.wandb_entity    str   W&B entity ("" = the logged-in user's default)
+    metrics.wandb_mode      str   "" (wandb decides: WANDB_MODE, else online) | "online" |
+                                  "offline" (files under WORKDIR/wandb, ``wandb sync`` later)
     reward.math.*                 klear_jax.rewards.MathRewardConfig fields
     reward.code.*                 CodeRewardConfig (mode, no_code, format penalties, dedupe,
                                   test_selection, test_seed) and SandboxConfig fields
@@ -52,7 +59,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import math
 import os
 import re
@@ -63,7 +69,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from klear_jax import losses, optim
+from klear_jax import logs, losses, optim
 from klear_jax.models import ModelConfig
 from klear_jax.rewards import CodeRewardConfig, MathRewardConfig, SandboxConfig
 
@@ -101,7 +107,7 @@ class ConfigError(ValueError):
 
 # ------------------------------------------------------------------------------ blocks
 def base_config() -> ml_collections.ConfigDict:
-    """workdir, seed, mesh, init, model, optim, checkpoint with their defaults."""
+    """workdir, seed, mesh, init, model, optim, checkpoint, metrics with their defaults."""
     c = ml_collections.ConfigDict()
     c.workdir = ""
     c.seed = 0
@@ -117,6 +123,8 @@ def base_config() -> ml_collections.ConfigDict:
                    b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, weight_decay_mask="matrices",
                    clip_norm=1.0, mu_dtype="")
     c.checkpoint = dict(every_steps=1000, keep=3, async_save=True)
+    c.metrics = dict(wandb=False, wandb_project="klear_jax", wandb_name="", wandb_entity="",
+                     wandb_mode="")
     return c
 
 
@@ -285,7 +293,8 @@ def validate_model(c, key: str = "model", architecture: bool = True) -> None:
 
 
 def validate_run(c, num_devices: int | None = None) -> dict[str, int]:
-    """workdir, seed, mesh, init and model of a training run; returns the mesh sizes."""
+    """workdir, seed, mesh, init, model and metrics of a training run; returns the mesh
+    sizes."""
     check_str(c, "workdir", "must be a non-empty path")
     check_int(c, "seed", lo=0)
     sizes = validate_mesh(c, num_devices)
@@ -294,6 +303,8 @@ def validate_run(c, num_devices: int | None = None) -> dict[str, int]:
         need(bool(c.init.path), "init.path", f"required when init.source = {src!r}")
     check_int(c, "init.step", lo=-1)
     validate_model(c, architecture=(src == "scratch"))
+    if "metrics" in c:
+        validate_metrics(c)
     return sizes
 
 
@@ -316,6 +327,17 @@ def validate_checkpoint(c, key: str = "checkpoint") -> None:
     check_int(c, f"{key}.every_steps", lo=1)
     check_int(c, f"{key}.keep", lo=1)
     check_bool(c, f"{key}.async_save")
+
+
+def validate_metrics(c, key: str = "metrics") -> None:
+    if not check_bool(c, f"{key}.wandb"):
+        return
+    check_str(c, f"{key}.wandb_project")
+    for k in ("wandb_name", "wandb_entity"):
+        need(isinstance(get(c, f"{key}.{k}"), str), f"{key}.{k}", "must be a string")
+    check_choice(c, f"{key}.wandb_mode", ("", "online", "offline"), "mode")
+    need(importlib.util.find_spec("wandb") is not None, f"{key}.wandb",
+         "wandb is not installed: pip install 'klear-jax[wandb]' (or wandb itself)")
 
 
 def validate_agg(c, key: str) -> str:
@@ -400,14 +422,16 @@ def run_config_cli(run, errors: tuple[type[BaseException], ...] = (ConfigError,)
     """The shared ``python -m klear_jax.X --config=FILE[:variant] --config.key=value`` entry
     point: parses the ml_collections config flag (locked, so an unknown key fails naming it),
     calls ``run(config)``, prints any of ``errors`` as ``error: ...`` and exits 2; otherwise
-    calls ``report(result, config)`` (if given) and exits 0."""
+    calls ``report(result, config)`` (if given) and exits 0. Logging is quiet
+    (``klear_jax.logs``) unless absl's ``--verbosity`` / ``-v`` is given."""
     config_flags.DEFINE_config_file("config", None, "ml_collections config file",
                                     lock_config=True)
     flags.mark_flags_as_required(["config"])
 
     def main(argv) -> int:
         del argv
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        v = flags.FLAGS["verbosity"]
+        logs.setup(v.value if v.present else None)
         cfg = flags.FLAGS.config
         try:
             out = run(cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from typing import Any, Mapping
@@ -70,6 +71,49 @@ class MetricWriter:
                 self._tb.close()
 
 
+class WandbWriter:
+    """The same scalars to a Weights & Biases run (config keys ``metrics.wandb*``, see
+    ``klear_jax.config``). ``wandb`` is imported here only, so it stays an optional extra.
+
+    Only process 0 logs. The run id is kept in ``workdir/wandb_run_id``, so a run resumed
+    in the same workdir continues the same W&B run (W&B ignores rows for steps it already
+    has). ``mode`` "offline" writes under ``workdir/wandb`` for a later ``wandb sync``.
+    """
+
+    def __init__(self, workdir: str, project: str, name: str = "", entity: str = "",
+                 mode: str = "", config: Mapping[str, Any] | None = None,
+                 enabled: bool | None = None):
+        if enabled is None:
+            enabled = jax.process_index() == 0
+        self.run = None
+        if not enabled:
+            return
+        import wandb
+
+        os.makedirs(workdir, exist_ok=True)
+        id_path = os.path.join(workdir, "wandb_run_id")
+        if os.path.exists(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = secrets.token_hex(4)
+            with open(id_path, "w") as f:
+                f.write(run_id + "\n")
+        self.run = wandb.init(
+            project=project, entity=entity or None, mode=mode or None, dir=workdir,
+            name=name or os.path.basename(os.path.normpath(workdir)), id=run_id,
+            resume="allow", config=dict(config or {}), settings=wandb.Settings(quiet=True))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.run is not None:
+            self.run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
 def _truncate_jsonl(path: str, start_step: int) -> None:
     if not os.path.exists(path):
         return
@@ -86,11 +130,12 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 class ProgressBar:
-    """One status line: step/total, loss, tokens/s, ETA. Rewrites in place on a TTY,
-    prints a line per update otherwise (logs)."""
+    """One status line: step/total, loss, tokens/s, ETA. Rewrites in place on a TTY;
+    otherwise (logs) prints the first and last update and at most one line every
+    ``log_interval_s`` seconds between them."""
 
     def __init__(self, total_steps: int, start_step: int = 0, stream=None,
-                 enabled: bool | None = None):
+                 enabled: bool | None = None, log_interval_s: float = 10.0):
         if enabled is None:
             enabled = jax.process_index() == 0
         self.enabled = enabled
@@ -99,6 +144,8 @@ class ProgressBar:
         self._t0 = None
         self._tokens = 0.0
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.log_interval_s = log_interval_s
+        self._printed = None
 
     def update(self, step: int, metrics: Mapping[str, float]) -> str:
         """``step`` = steps completed. The timer starts at the first update, so compilation
@@ -113,12 +160,18 @@ class ProgressBar:
             steps = step - self._first
             rate = self._tokens / dt if dt > 0 else float("nan")
             eta = dt / steps * (self.total - step) if steps > 0 else float("nan")
+        tps = f"{rate:,.0f}" if math.isfinite(rate) else "--"
         line = (f"step {step}/{self.total} loss {metrics.get('loss', float('nan')):.4f} "
-                f"tok/s {rate:,.0f} ETA {_fmt_time(eta)}")
+                f"tok/s {tps} ETA {_fmt_time(eta)}")
         if metrics.get("skipped"):
             line += " [update skipped: non-finite]"
-        if self.enabled:
-            self.stream.write(("\r" + line) if self._tty else line + "\n")
+        if self.enabled and self._tty:
+            self.stream.write("\r" + line)
+            self.stream.flush()
+        elif self.enabled and (self._printed is None or step >= self.total
+                               or now - self._printed >= self.log_interval_s):
+            self._printed = now
+            self.stream.write(line + "\n")
             self.stream.flush()
         return line
 

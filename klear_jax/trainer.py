@@ -67,6 +67,7 @@ class Trainer:
         self.guard = SkipGuard(cfg.train.max_consecutive_skips)
         self.preempt = ckpt.PreemptionFlag()
         self.writer: metrics_lib.MetricWriter | None = None
+        self.wandb: metrics_lib.WandbWriter | None = None
         self.bar: metrics_lib.ProgressBar | None = None
         self.stopped = "done"
         self.start_step = 0
@@ -89,10 +90,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def start(self, step: int) -> None:
-        """Opens the metric writer (dropping rows an interrupted run wrote after ``step``) and
-        the progress bar."""
+        """Opens the metric writers (dropping rows an interrupted run wrote after ``step``)
+        and the progress bar."""
         self.start_step = step
         self.writer = metrics_lib.MetricWriter(self.cfg.workdir, start_step=step)
+        m = self.cfg.get("metrics")
+        if m is not None and m.wandb:
+            self.wandb = metrics_lib.WandbWriter(
+                self.cfg.workdir, m.wandb_project, m.wandb_name, m.wandb_entity, m.wandb_mode,
+                config=self.cfg.to_dict())
         self.bar = metrics_lib.ProgressBar(self.total_steps, step)
 
     def check_skipped(self, step: int, skipped) -> None:
@@ -106,6 +112,8 @@ class Trainer:
         must stop (preemption: the final save happens in ``finish``)."""
         if step % self.cfg.train.log_every == 0 or step == self.total_steps:
             self.writer.write(step, metrics)
+            if self.wandb is not None:
+                self.wandb.write(step, metrics)
             self.bar.update(step, bar_metrics if bar_metrics is not None else metrics)
         if self.preempt.should_stop():
             self.stopped = "preempted"
@@ -130,7 +138,7 @@ class Trainer:
     # ------------------------------------------------------------------ clean-up
     def close(self) -> None:
         self.checkpointer.close()
-        for sink in (self.writer, self.bar):
+        for sink in (self.writer, self.wandb, self.bar):
             if sink is not None:
                 sink.close()
         self.preempt.restore_handlers()

@@ -64,6 +64,9 @@ def test_unknown_key_names_it(override, key):
     ({"checkpoint.every_steps": 0}, "checkpoint.every_steps"),
     ({"data.overlong": '"cut"'}, "data.overlong"),
     ({"workdir": '""'}, "workdir"),
+    ({"metrics.wandb": "true", "metrics.wandb_mode": '"cloud"'}, "metrics.wandb_mode"),
+    ({"metrics.wandb": "true", "metrics.wandb_project": '""'}, "metrics.wandb_project"),
+    ({"metrics.wandb": "1"}, "metrics.wandb"),
 ])
 def test_bad_values_name_the_key(over, key):
     with pytest.raises(ConfigError) as e:

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from klear_jax import checkpoint as ckpt
 from klear_jax import config as C
+from klear_jax import logs
 from klear_jax import optim
 from klear_jax import sampling_utils as su
 from klear_jax import sharding as shd
@@ -296,7 +297,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="write the JSON report here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. --set model.remat_policy=dots (repeatable)")
+    logs.add_argument(ap)
     a = ap.parse_args(argv)
+    logs.setup(a.verbosity)
     what = tuple(w for w in a.what.split(",") if w) or None
     rep = run(a.config, a.topology, what, a.set)
     print(format_report(rep))

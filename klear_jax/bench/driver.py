@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from klear_jax import logs
 from klear_jax.bench import gpu
 from klear_jax.bench.measure import round_orders
 from klear_jax.bench.workloads import (run_reference_workload, run_sample, run_scale,
@@ -265,7 +266,9 @@ def main(argv=None) -> dict:
                    help="allocator of every workload process: auto = tcmalloc when installed")
     p.add_argument("--worker", choices=sum(PRESETS.values(), ()), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    logs.add_argument(p)
     a = p.parse_args(argv)
+    logs.setup(a.verbosity)
     if a.worker:
         res = run_worker(a.worker, a.quick, a.threads)
         with open(a.worker_out, "w") as f:

@@ -1,4 +1,4 @@
-"""``python -m klear_jax.curate``: see ``klear_jax.curate``."""
+"""``python -m klear_jax.curate`` / ``klear-curate``: see ``klear_jax.curate``."""
 
 import logging
 import os
@@ -19,6 +19,10 @@ def _print_report(report: dict, cfg) -> None:
           f"{os.path.join(o.dir, o.name)}_curate_report.md")
 
 
-if __name__ == "__main__":
+def main() -> None:
     C.run_config_cli(run, errors=(C.ConfigError, RecordError, FileNotFoundError,
                                   FileExistsError, ValueError), report=_print_report)
+
+
+if __name__ == "__main__":
+    main()

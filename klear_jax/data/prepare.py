@@ -32,7 +32,9 @@ dataset and its report as they were.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -43,6 +45,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from klear_jax import logs
 from klear_jax.data import records as R
 from klear_jax.data import tokenizer as tk
 
@@ -195,7 +198,9 @@ def prepare(inputs: Sequence[str] | Callable[[], Iterable[R.RawRecord]], output_
     try:
         builder = _make_builder_cls(name, kind, records_fn, tok, cfg, report)(
             data_dir=tmp, file_format="array_record")
-        builder.download_and_prepare(download_dir=os.path.join(tmp, "downloads"))
+        with contextlib.redirect_stdout(io.StringIO()) as tfds_said:  # "Downloading and..."
+            builder.download_and_prepare(download_dir=os.path.join(tmp, "downloads"))
+        log.debug("tfds: %s", tfds_said.getvalue().strip())
         report = {"name": name, "kind": kind, "dir": version_dir, "config": cfg, "splits": report}
         built = os.path.join(tmp, name, VERSION)
         _write_json(os.path.join(built, "prepare_report.json"), report)
@@ -206,6 +211,9 @@ def prepare(inputs: Sequence[str] | Callable[[], Iterable[R.RawRecord]], output_
         os.makedirs(os.path.dirname(version_dir), exist_ok=True)
         os.rename(built, version_dir)
         _write_json(os.path.join(output_dir, f"{name}_report.json"), report)
+        log.info("prepared %s: %s examples -> %s", name, ", ".join(
+            f"{split} {r['kept'] + r['truncated']}" for split, r in report["splits"].items()),
+            version_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return report
@@ -235,8 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="replace DIR/NAME/1.0.0 (only once the new dataset is complete)")
     p.add_argument("--max_record_bytes", type=int, default=R.DEFAULT_MAX_RECORD_BYTES,
                    help="longer JSONL lines / Parquet rows are invalid (checked before parsing)")
+    logs.add_argument(p)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logs.setup(a.verbosity)
     try:
         report = prepare(a.input, a.output_dir, a.name, a.kind, a.tokenizer, a.max_length, a.overlong,
                          a.skip_invalid, a.val_fraction, a.prompt_template, a.overwrite,

@@ -32,6 +32,7 @@ import sys
 import time
 
 from klear_jax import config as C
+from klear_jax import logs
 from klear_jax import eval as ev
 from klear_jax import rl, sft
 from klear_jax.data import prepare as prep
@@ -199,7 +200,6 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
                             os.path.join(workdir, "curves.png"))
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    log.info("demo: %s", report.format_summary(summary))
     return summary
 
 
@@ -276,8 +276,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=0, help="ablation seeds (0 = config's, 3)")
     p.add_argument("--allow_unsandboxed", action="store_true",
                    help="run model-written code WITHOUT bubblewrap isolation if it is missing")
+    logs.add_argument(p)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logs.setup(a.verbosity)
     try:
         if a.ablation:
             out = run_ablation(a.workdir, a.size, a.seeds, a.allow_unsandboxed, a.rl_steps)
