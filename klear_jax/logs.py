@@ -2,8 +2,10 @@
 
 Default: the project's own messages (loggers under ``klear_jax``) at INFO, every library
 (Orbax, absl, TFDS, grain, jax, ...) at WARNING, and the two warnings Orbax prints on every
-read-only restore (``Given directory is read only``) dropped. Progress bars and result
-tables are printed, not logged, so they show at any level.
+read-only restore (``Given directory is read only``) and transformers' advisory notes
+(``TRANSFORMERS_NO_ADVISORY_WARNINGS``, e.g. "PyTorch was not found", which JAX users do not
+need) dropped. Progress bars and result tables are printed, not logged, so they show at any
+level.
 
 ``--verbosity N`` (absl's numbering: -1 WARNING, 0 INFO, 1 DEBUG; the config-file stages
 take absl's own ``--verbosity`` / ``-v`` flag, the others an argparse twin added by
@@ -13,6 +15,7 @@ take absl's own ``--verbosity`` / ``-v`` flag, the others an argparse twin added
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 _OWN = "klear_jax"
@@ -75,6 +78,7 @@ def setup(verbosity: int | None = None) -> None:
         root.setLevel(logging.WARNING)
         logging.getLogger(_OWN).setLevel(logging.INFO)
         handler.addFilter(_not_benign)
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     else:
         root.setLevel(level_of(verbosity))
         logging.getLogger(_OWN).setLevel(logging.NOTSET)
