@@ -52,7 +52,7 @@ def test_every_stage_has_a_console_script_that_resolves():
     stages = {d for d in os.listdir(os.path.join(ROOT, "klear_jax"))
               if os.path.isfile(os.path.join(ROOT, "klear_jax", d, "__main__.py"))}
     assert {f"klear-{s}" for s in stages} <= set(scripts)
-    assert {"klear-convert", "klear-prepare"} <= set(scripts)
+    assert {"klear-convert", "klear-prepare", "klear-selfcheck"} <= set(scripts)
     for name, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), name
