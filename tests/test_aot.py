@@ -74,9 +74,9 @@ def test_sampler_decode_compiles_for_v5p():
 def test_splash_compiles_as_tpu_kernel():
     """The splash path lowers to a Mosaic custom call, not interpret-mode HLO."""
     import jax
-    from klear_jax import config as config_utils, sharding as shd
-    cfg = config_utils.load_config("configs/sft_tiny.py")
-    config_utils.apply_overrides(cfg, SMALL + ["model.attention_impl=splash"])
+    from klear_jax import config as C, sharding as shd
+    cfg = C.load_config("configs/sft_tiny.py")
+    C.apply_overrides(cfg, SMALL + ["model.attention_impl=splash"])
     mesh = shd.mesh_from_config(cfg.mesh, aot.topology_devices(aot.parse_topology(TOPO)))
     lower, _ = aot.build_jobs(cfg, mesh, ("sft_step",))["sft_step"]
     text = lower().as_text()
@@ -128,10 +128,10 @@ def test_paper_config_fits_pod(config, topology, what):
 def test_gppo_code_sampler_is_the_math_sampler():
     """What the sampler functions read is equal in the two GPPO configs (both slices), so
     test_paper_config_fits_pod compiles prefill / decode once, under the math config."""
-    from klear_jax import config_utils
+    from klear_jax import config as C
     for variant in ("", ":chips=64,tensor=4"):
-        math_cfg = config_utils.load_config(f"configs/gppo_math_qwen3_8b.py{variant}")
-        code_cfg = config_utils.load_config(f"configs/gppo_code_qwen3_8b.py{variant}")
+        math_cfg = C.load_config(f"configs/gppo_math_qwen3_8b.py{variant}")
+        code_cfg = C.load_config(f"configs/gppo_code_qwen3_8b.py{variant}")
         plain = lambda x: x.to_dict() if hasattr(x, "to_dict") else dict(x)  # noqa: E731
         for key in ("model", "mesh", "rollout"):
             assert plain(code_cfg[key]) == plain(math_cfg[key]), key

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from klear_jax import config as config_utils
+from klear_jax import config as kc
 from klear_jax.config import ConfigError
 from klear_jax.curate import label as L
 from klear_jax.curate import pipeline as C
@@ -241,7 +241,7 @@ def test_unknown_key_fails_on_locked_config_and_in_validation(tmp_path):
     c = cfg_for(tmp_path, {"a": dict(paths=["x.jsonl"], domain="math")})
     c.lock()
     with pytest.raises(ConfigError, match="'dedup.prompts'"):
-        config_utils.apply_overrides(c, ["dedup.prompts=false"])
+        kc.apply_overrides(c, ["dedup.prompts=false"])
     import ml_collections
     d = ml_collections.ConfigDict(c.to_dict())
     d.dedup.colour = 1
@@ -251,8 +251,8 @@ def test_unknown_key_fails_on_locked_config_and_in_validation(tmp_path):
 
 def test_example_config_validates():
     for spec in ("configs/curate_example.py", "configs/curate_example.py:kind=rl_math"):
-        c = config_utils.load_config(os.path.join(ROOT, spec))
-        config_utils.apply_overrides(c, ["output.tokenizer=tok"])
+        c = kc.load_config(os.path.join(ROOT, spec))
+        kc.apply_overrides(c, ["output.tokenizer=tok"])
         validate_curate_config(c)
 
 
@@ -270,7 +270,7 @@ def test_end_to_end_config_file_to_tfds_and_report(tmp_path, tok_dir):  # noqa: 
         f"    c.sources.main = dict(paths=[{src!r}], domain='math')\n"
         f"    c.output.update(dir={str(tmp_path / 'out')!r}, name='tiny_sft', tokenizer={tok_dir!r}, max_length=64)\n"
         "    return c\n")
-    rep = C.run(config_utils.load_config(str(cfg_file)))
+    rep = C.run(kc.load_config(str(cfg_file)))
     assert rep["written"] == 12 and steps_by_name(rep)["dedup_prompt"]["dropped"] == {"duplicate": 1}
     assert rep["prepare"]["splits"]["train"]["read"] == 12
     import tensorflow_datasets as tfds
