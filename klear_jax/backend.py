@@ -9,6 +9,8 @@ else JAX's default backend.
   the fused GPU kernel on GPU, the XLA path on CPU.
 * ``pallas_interpret()``: Pallas kernels run in interpret mode on CPU (tests, the demo).
 * ``compiler_options(mesh)``: XLA options for training-shaped programs.
+* ``decode_block()``: key-block size of the rollout engine's decode attention (a slot
+  cache's length is a multiple of it).
 * ``cpu_kernels()``: the CPU-tuned matmul gradient and attention forms of
   ``klear_jax.models.cpu_kernels`` are used (CPU only: they exist for the CPU tests, the
   demo and the CPU benchmark; TPU and GPU get XLA's own einsums).
@@ -44,6 +46,18 @@ def target_platform() -> str:
 
 def cpu_kernels() -> bool:
     return target_platform() == "cpu"
+
+
+# Key block of the slot-cache decode loop (``models/decode_attention.py``): one loop trip
+# reads a [slots, K, hd, block] slab. TPU / GPU: 512 (a multiple of the 128 TPU lanes; a
+# trip's fixed cost is amortised over more keys). CPU: 128 (measured in
+# benchmarks/engine_cache_layout.py: per-trip overhead is small, finer blocks read less
+# past each slot's fill).
+DECODE_BLOCK = {"cpu": 128, "gpu": 512, "tpu": 512}
+
+
+def decode_block() -> int:
+    return DECODE_BLOCK.get(target_platform(), 512)
 
 
 def pallas_interpret() -> bool:
