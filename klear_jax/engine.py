@@ -1,0 +1,407 @@
+"""Rollout engine: a fixed set of decode slots on the training mesh, refilled as samples finish.
+
+Usage (the RL loop and the eval command call this)::
+
+    from klear_jax.engine import Engine
+    engine = Engine(graphdef, mesh=None, pad_id=0, max_prompt_len=512, slots=64, chunk=16,
+                    insert_rows=8, cache_dtype=None, tokenizer=None)
+    out = engine.generate(state, prompts, params, seed, budgets=None, on_finish=None)
+
+``generate`` takes and returns what ``Sampler.generate`` does (``SampleOutput``, row i*n + j
+is copy j of prompt i) and draws the same samples: the tokens of (prompt i, copy j) depend
+only on (seed, prompt i's tokens and occurrence, j) and the weights, never on the slot or the
+companions (PRNG keys as in ``sampler.py``, folded with the sample's own step count).
+
+How it runs. The cache (``qwen.init_slot_cache``, ``slots`` rows of S = prompt bucket +
+max_new_tokens entries, rounded up to ``backend.decode_block()``) lives for one call. Two
+jitted functions, their carry (cache + per-slot state) donated:
+
+    insert  prefill up to ``insert_rows`` pending samples' prompts (each distinct prompt
+            once: [Rp, Pb], right-padded, Rp and Pb powers of two), write their k / v into
+            free slots, sample each one's first token
+    decode  ``chunk`` decode steps of every slot (a lax.scan), appending one token to each
+            active slot per step; a slot turns idle at a stop token or its budget
+            (``max_new_tokens`` or ``budgets[s]``); idle slots compute but emit nothing
+
+Between chunks the host reads the chunk's tokens [chunk, slots], refills freed slots with
+pending samples (in order: prompt 0's copies first), and dispatches the next chunk before
+handling the finished samples (stop strings, ``on_finish``), so that host work (scoring
+submissions in RL) overlaps the device's decoding. Decode attention reads only what each
+slot holds (``kernels.slot_attention``).
+
+``on_finish(Finished)`` is called once per sample when it ends; ``SamplingParams.stop_strings``
+(needs ``tokenizer``) end a sample at the first token whose decoded prefix contains one of
+them (``stop_string_hit``; the slot is released at the next chunk).
+
+Statistics of the last call (``last_stats``): chunks, inserts, useful slot-steps (tokens
+emitted by decode), slot_utilisation = useful / (chunks x chunk x slots), wall times.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from klear_jax import backend
+from klear_jax import sampling_utils as su
+from klear_jax import sharding as shd
+from klear_jax.models.qwen import cache_shardings, init_slot_cache
+from klear_jax.sampler import SampleOutput, SamplingParams
+
+
+@dataclasses.dataclass
+class Finished:
+    """One finished sample, handed to ``on_finish``."""
+    index: int               # row of the SampleOutput: prompt_index * n + copy
+    prompt_index: int
+    tokens: np.ndarray       # int32 [length], the stop token included
+    logprobs: np.ndarray     # float32 [length]
+    truncated: bool          # reached its budget without a stop token / string
+    stop_string_hit: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What the compiled functions specialise on besides array shapes."""
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_penalty: bool
+
+    def flags(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SLOT_NAMES = ("act_batch",)
+
+
+class Engine:
+    """See the module docstring."""
+
+    def __init__(self, graphdef, mesh=None, pad_id: int = 0, max_prompt_len: int = 512,
+                 slots: int = 64, chunk: int = 16, insert_rows: int = 8, cache_dtype=None,
+                 tokenizer=None):
+        for name, v in (("max_prompt_len", max_prompt_len), ("slots", slots), ("chunk", chunk),
+                        ("insert_rows", insert_rows)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Engine: {name} must be an int >= 1, got {v!r}")
+        self.graphdef, self.mesh, self.pad_id = graphdef, mesh, int(pad_id)
+        self.max_prompt_len, self.chunk = max_prompt_len, chunk
+        m = self.batch_multiple
+        self.slots = -(-slots // m) * m
+        self.insert_rows = min(insert_rows, self.slots)
+        self.cache_dtype, self.tokenizer = cache_dtype, tokenizer
+        self._fns: dict = {}
+        self.last_stats: dict = {}
+
+    # ----------------------------------------------------------------- placement
+    @property
+    def batch_multiple(self) -> int:
+        return 1 if self.mesh is None else int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+
+    def _ctx(self):
+        return shd.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _put(self, x, names=None):
+        if self.mesh is None:
+            return jnp.asarray(x)
+        x = np.asarray(x)
+        return jax.device_put(x, shd.named_sharding(self.mesh, names or (None,) * x.ndim, x.shape))
+
+    def _carry_shardings(self, carry):
+        if self.mesh is None:
+            return None
+        sh = lambda names: (lambda x: shd.named_sharding(self.mesh, names, x.shape))  # noqa: E731
+        out = {k: jax.tree.map(sh(SLOT_NAMES + (None,) * (v.ndim - 1)), v)
+               for k, v in carry.items() if k != "cache"}
+        out["cache"] = cache_shardings(carry["cache"], self.mesh)
+        return out
+
+    def _constrain(self, carry):
+        sh = self._carry_shardings(carry)
+        return carry if sh is None else jax.lax.with_sharding_constraint(carry, sh)
+
+    # ----------------------------------------------------------------- device functions
+    def _init(self, cfg, st: _Static, S: int):
+        B = self.slots
+        zeros = lambda dt: jnp.zeros((B,), dt)  # noqa: E731
+        carry = {"cache": init_slot_cache(cfg, B, S, self.cache_dtype), "last": zeros(jnp.int32),
+                 "step": zeros(jnp.int32), "budget": zeros(jnp.int32),
+                 "active": zeros(jnp.bool_), "phash": zeros(jnp.int32),
+                 "sid": zeros(jnp.int32)}
+        if st.use_penalty:
+            carry["presence"] = jnp.zeros((B, cfg.vocab_size), jnp.bool_)
+        return self._constrain(carry)
+
+    def _insert(self, st: _Static, state, carry, ids, seg, plen, slots, src, phash, sid,
+                budget, seed, temperature, top_p, penalty, stop_ids):
+        """Prefills ids [Rp, Pb] (right-padded, seg 1 on real tokens, plen [Rp] lengths) and
+        puts row src[r] into slot slots[r] (r < R; slots[r] = B drops the row). Returns
+        (carry, first tokens int32 [R], their logprobs float32 [R])."""
+        model = nnx.merge(self.graphdef, state)
+        Rp = ids.shape[0]
+        h, (ks, vs) = model.hidden_states(ids, segment_ids=seg, return_kv=True)
+        last = h[jnp.arange(Rp), plen - 1][:, None]                     # [Rp, 1, D]
+        raw = model.logits(last)[:, 0][src]                             # [R, V]
+        presence = None
+        if st.use_penalty:
+            seen = jnp.zeros((Rp, raw.shape[-1]), jnp.int32).at[
+                jnp.arange(Rp)[:, None], ids].max(seg) > 0
+            presence = seen[src]
+        keys = su.step_keys(su.row_keys(seed, phash, sid), 0)
+        tok, lp = su.sample_step(raw, presence, keys, temperature, top_p, penalty, **st.flags())
+        cache = carry["cache"]
+        Pb = ids.shape[1]
+        put = lambda buf, x, at: buf.at[at].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+        new = dict(carry)
+        new["cache"] = {
+            "k": tuple(put(c, k[src].transpose(0, 2, 3, 1), (slots, slice(None), slice(None),
+                                                             slice(0, Pb)))
+                       for c, k in zip(cache["k"], ks)),
+            "v": tuple(put(c, v[src].swapaxes(1, 2), (slots, slice(None), slice(0, Pb)))
+                       for c, v in zip(cache["v"], vs)),
+            "lengths": put(cache["lengths"], plen[src], slots)}
+        alive = ~su.is_stop(tok, stop_ids) & (budget > 1)
+        for name, value in (("last", tok), ("step", jnp.ones_like(tok)), ("budget", budget),
+                            ("active", alive), ("phash", phash), ("sid", sid)):
+            new[name] = put(carry[name], value, slots)
+        if presence is not None:
+            new["presence"] = put(carry["presence"],
+                                  presence.at[jnp.arange(tok.shape[0]), tok].set(True), slots)
+        return self._constrain(new), tok, lp
+
+    def _decode(self, st: _Static, state, carry, keep, seed, temperature, top_p, penalty,
+                stop_ids):
+        """``self.chunk`` steps of every slot. keep bool [B]: slots to keep decoding (False
+        releases a slot the host ended, e.g. at a stop string). Returns (carry, tokens
+        int32 [C, B], logprobs float32 [C, B], emitted bool [C, B])."""
+        model = nnx.merge(self.graphdef, state)
+        layers = model.layer_states()  # sliced once, outside the loop
+
+        def step(c, _):
+            act = c["active"]
+            h, cache = model.decode_slots(c["last"], c["cache"], layers)
+            cache["lengths"] = jnp.where(act, cache["lengths"], c["cache"]["lengths"])
+            raw = model.logits(h)[:, 0]
+            keys = su.step_keys(su.row_keys(seed, c["phash"], c["sid"]), c["step"])
+            tok, lp = su.sample_step(raw, c.get("presence"), keys, temperature, top_p, penalty,
+                                     **st.flags())
+            steps = c["step"] + act.astype(jnp.int32)
+            ended = act & (su.is_stop(tok, stop_ids) | (steps >= c["budget"]))
+            new = {**c, "cache": cache, "last": jnp.where(act, tok, c["last"]), "step": steps,
+                   "active": act & ~ended}
+            if "presence" in c:
+                new["presence"] = c["presence"].at[jnp.arange(tok.shape[0]), tok].max(act)
+            return self._constrain(new), (jnp.where(act, tok, self.pad_id),
+                                          jnp.where(act, lp, 0.0), act)
+
+        carry = {**carry, "active": carry["active"] & keep}
+        carry, (toks, lps, emitted) = jax.lax.scan(step, carry, None, length=self.chunk)
+        return carry, toks, lps, emitted
+
+    def _functions(self, st: _Static):
+        if st not in self._fns:
+            self._fns[st] = (
+                jax.jit(lambda *a: self._insert(st, *a), donate_argnums=(1,)),
+                jax.jit(lambda *a: self._decode(st, *a), donate_argnums=(1,)))
+        return self._fns[st]
+
+    # ----------------------------------------------------------------- host loop
+    def generate(self, state, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 seed: int, budgets=None,
+                 on_finish: Callable[[Finished], None] | None = None) -> SampleOutput:
+        """``params.n`` samples per prompt (see the module docstring). ``budgets``: optional
+        int [len(prompts) * n], per-sample caps on new tokens (<= max_new_tokens)."""
+        t0 = time.perf_counter()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Engine.generate: params must be SamplingParams, got {type(params)}")
+        cfg = nnx.merge(self.graphdef, state).config
+        prompts = su.validate_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
+        su.check_stop_ids(params.stop_token_ids, cfg.vocab_size)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("Engine: SamplingParams.stop_strings need Engine(tokenizer=...)")
+        st = _Static(greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
+                     use_top_p=not params.greedy and params.top_p < 1.0,
+                     use_penalty=params.repetition_penalty != 1.0)
+        n, npr, M = params.n, len(prompts), params.max_new_tokens
+        N = npr * n
+        budget = (np.full(N, M, np.int32) if budgets is None
+                  else su.check_budgets(budgets, N, M))
+        P = su.bucket_length(max(map(len, prompts)), self.max_prompt_len)
+        with self._ctx():
+            block = backend.decode_block()
+        S = -(-(P + M) // block) * block
+        h, occ = su.prompt_hashes(prompts)
+        sid = (np.repeat(occ, n) * n + np.tile(np.arange(n), npr)).astype(np.int32)
+        phash = np.repeat(h, n).astype(np.int32)
+        stop_ids = np.asarray(params.stop_token_ids, np.int64)
+        scal = (jnp.asarray(int(seed) % 2**32, jnp.uint32),
+                jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
+                jnp.float32(params.top_p), jnp.float32(params.repetition_penalty),
+                jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
+        insert, decode = self._functions(st)
+        B, R = self.slots, self.insert_rows
+
+        toks: list[list[np.ndarray]] = [[] for _ in range(N)]
+        lps: list[list[np.ndarray]] = [[] for _ in range(N)]
+        count = np.zeros(N, np.int64)
+        result = {"lengths": np.zeros(N, np.int32), "truncated": np.zeros(N, bool),
+                  "hit": np.zeros(N, bool)}
+        pending = collections.deque(range(N))
+        slot_sample = np.full(B, -1, np.int64)
+        release = np.zeros(B, bool)
+        ready: list[int] = []
+        stats = collections.Counter()
+        t_first = None
+
+        def finish(s: int, length: int, hit: bool):
+            result["lengths"][s], result["hit"][s] = length, hit
+            last = toks_of(s)[length - 1] if length else -1
+            result["truncated"][s] = not hit and not np.isin(last, stop_ids)
+            ready.append(s)
+
+        def toks_of(s):
+            if len(toks[s]) > 1:
+                toks[s], lps[s] = [np.concatenate(toks[s])], [np.concatenate(lps[s])]
+            return toks[s][0] if toks[s] else np.zeros(0, np.int32)
+
+        def handoff():
+            for s in ready:
+                if on_finish is not None:
+                    L = int(result["lengths"][s])
+                    on_finish(Finished(s, s // n, toks_of(s)[:L].copy(),
+                                       np.concatenate(lps[s])[:L] if lps[s] else
+                                       np.zeros(0, np.float32),
+                                       bool(result["truncated"][s]), bool(result["hit"][s])))
+            ready.clear()
+
+        def append(s, t, lp):
+            toks[s].append(t)
+            lps[s].append(lp)
+            before = count[s]
+            count[s] += len(t)
+            if params.stop_strings:
+                cut = su.stop_string_cut(self.tokenizer, toks_of(s), params.stop_strings,
+                                         checked=int(before))
+                if cut:
+                    count[s] = cut
+                    return cut
+            return 0
+
+        with self._ctx():
+            carry = jax.jit(lambda: self._init(cfg, st, S))()
+            keep_all = self._put(np.ones(B, bool), SLOT_NAMES)
+            while True:
+                # ---- refill free slots with pending samples (device work, dispatched)
+                inserted = []
+                free = list(np.nonzero(slot_sample < 0)[0])
+                while free and pending:
+                    take = [pending.popleft() for _ in range(min(R, len(free), len(pending)))]
+                    rows, free = free[:len(take)], free[len(take):]
+                    carry, first = self._insert_call(insert, state, carry, prompts, take, rows,
+                                                     n, phash, sid, budget, scal)
+                    slot_sample[rows] = take
+                    release[rows] = False
+                    inserted.append((take, first))
+                    stats["inserts"] += 1
+                active = slot_sample >= 0
+                if not active.any():
+                    break
+                keep = keep_all if not release.any() else self._put(~release, SLOT_NAMES)
+                carry, ct, cl, ce = decode(state, carry, keep, *scal)
+                stats["chunks"] += 1
+                handoff()  # host work for the last chunk's samples overlaps this chunk
+                # ---- read back: first tokens of inserted samples, then the chunk
+                for take, (tok, lp) in inserted:
+                    tok, lp = np.asarray(tok), np.asarray(lp)
+                    for r, s in enumerate(take):
+                        cut = append(s, tok[r:r + 1], lp[r:r + 1])
+                        if cut or np.isin(tok[r], stop_ids) or budget[s] <= 1:
+                            finish(s, cut or 1, bool(cut))
+                            release[slot_sample == s] = True
+                if t_first is None:
+                    t_first = time.perf_counter()
+                ct, cl, ce = (shd.to_host(x) for x in (ct, cl, ce))
+                stats["useful_slot_steps"] += int(ce.sum())
+                for b in np.nonzero(active)[0]:
+                    s = slot_sample[b]
+                    if s in ready or release[b]:  # ended at its first token / stop string
+                        slot_sample[b] = -1
+                        continue
+                    m = ce[:, b]
+                    if m.any():
+                        cut = append(s, ct[m, b], cl[m, b])
+                        if cut:
+                            finish(s, cut, True)
+                            release[b] = True
+                            slot_sample[b] = -1
+                            continue
+                    L = int(count[s])
+                    last = toks_of(s)[L - 1]
+                    if np.isin(last, stop_ids) or L >= budget[s]:
+                        finish(s, L, False)
+                        slot_sample[b] = -1
+            handoff()
+        t_end = time.perf_counter()
+        out = self._output(prompts, n, P, M, toks, lps, result)
+        C = stats["chunks"] * self.chunk
+        self.last_stats = {
+            "chunks": stats["chunks"], "inserts": stats["inserts"], "slots": B,
+            "chunk": self.chunk, "cache_length": S, "decode_steps": C,
+            "useful_slot_steps": stats["useful_slot_steps"],
+            "slot_utilisation": stats["useful_slot_steps"] / max(1, C * B),
+            "tokens": int(out.lengths.sum()), "total_s": t_end - t0,
+            "first_chunk_s": (t_first or t_end) - t0}
+        return out
+
+    def _insert_call(self, insert, state, carry, prompts, take, rows, n, phash, sid, budget,
+                     scal):
+        """Host side of one insert: the distinct prompts of ``take`` (sample indices) padded to
+        a power-of-two row count and prompt bucket; slot rows padded to insert_rows."""
+        R = self.insert_rows
+        pids = list(dict.fromkeys(s // n for s in take))
+        Rp = 1
+        while Rp < len(pids):
+            Rp *= 2
+        Pb = su.bucket_length(max(len(prompts[p]) for p in pids), self.max_prompt_len)
+        ids = np.full((Rp, Pb), self.pad_id, np.int32)
+        seg = np.zeros((Rp, Pb), np.int32)
+        plen = np.ones(Rp, np.int32)
+        for r, p in enumerate(pids):
+            ids[r, :len(prompts[p])], seg[r, :len(prompts[p])] = prompts[p], 1
+            plen[r] = len(prompts[p])
+        pad = R - len(take)
+        idx = np.asarray(take + [take[0]] * pad)
+        slots = np.asarray(list(rows) + [self.slots] * pad, np.int32)  # B: dropped
+        src = np.asarray([pids.index(s // n) for s in idx], np.int32)
+        args = [self._put(ids), self._put(seg), self._put(plen), self._put(slots),
+                self._put(src), self._put(phash[idx]), self._put(sid[idx]),
+                self._put(budget[idx])]
+        carry, tok, lp = insert(state, carry, *args, *scal)
+        return carry, (tok, lp)
+
+    def _output(self, prompts, n, P, M, toks, lps, result) -> SampleOutput:
+        N = len(prompts) * n
+        tokens = np.full((N, M), self.pad_id, np.int32)
+        logprobs = np.zeros((N, M), np.float32)
+        for s in range(N):
+            L = int(result["lengths"][s])
+            if L:
+                tokens[s, :L] = np.concatenate(toks[s])[:L]
+                logprobs[s, :L] = np.concatenate(lps[s])[:L]
+        ids, _ = su.left_pad(prompts, len(prompts), P, self.pad_id)
+        return SampleOutput(
+            tokens=tokens, logprobs=logprobs, lengths=result["lengths"].copy(),
+            truncated=result["truncated"].copy(),
+            prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int32), n),
+            prompt_tokens=np.repeat(ids, n, axis=0),
+            prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), n),
+            stop_string_hit=result["hit"].copy())
