@@ -29,7 +29,8 @@ handling the finished samples (stop strings, ``on_finish``), so that host work (
 submissions in RL) overlaps the device's decoding. Decode attention reads only what each
 slot holds (``kernels.slot_attention``).
 
-``on_finish(Finished)`` is called once per sample when it ends; ``SamplingParams.stop_strings``
+``on_finish([Finished, ...])`` gets the samples that ended in a chunk, each once, while the
+next chunk decodes; ``SamplingParams.stop_strings``
 (needs ``tokenizer``) end a sample at the first token whose decoded prefix contains one of
 them (``stop_string_hit``; the slot is released at the next chunk).
 
@@ -207,47 +208,78 @@ class Engine:
         carry, (toks, lps, emitted) = jax.lax.scan(step, carry, None, length=self.chunk)
         return carry, toks, lps, emitted
 
-    def _functions(self, st: _Static):
-        if st not in self._fns:
-            self._fns[st] = (
+    def _functions(self, st: _Static, cfg, S: int):
+        """(init, insert, decode) jitted for these flags and cache length S."""
+        if (st, S) not in self._fns:
+            self._fns[st, S] = (
+                jax.jit(lambda: self._init(cfg, st, S)),
                 jax.jit(lambda *a: self._insert(st, *a), donate_argnums=(1,)),
                 jax.jit(lambda *a: self._decode(st, *a), donate_argnums=(1,)))
-        return self._fns[st]
+        return self._fns[st, S]
 
-    # ----------------------------------------------------------------- host loop
-    def generate(self, state, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 seed: int, budgets=None,
-                 on_finish: Callable[[Finished], None] | None = None) -> SampleOutput:
-        """``params.n`` samples per prompt (see the module docstring). ``budgets``: optional
-        int [len(prompts) * n], per-sample caps on new tokens (<= max_new_tokens)."""
-        t0 = time.perf_counter()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"Engine.generate: params must be SamplingParams, got {type(params)}")
+    def _setup(self, state, params: SamplingParams, prompt_len: int):
+        """(model config, flags, prompt bucket P, cache length S, device scalars, functions)."""
         cfg = nnx.merge(self.graphdef, state).config
-        prompts = su.validate_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
         su.check_stop_ids(params.stop_token_ids, cfg.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("Engine: SamplingParams.stop_strings need Engine(tokenizer=...)")
         st = _Static(greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
                      use_top_p=not params.greedy and params.top_p < 1.0,
                      use_penalty=params.repetition_penalty != 1.0)
+        P = su.bucket_length(prompt_len, self.max_prompt_len)
+        with self._ctx():
+            block = backend.decode_block()
+        S = -(-(P + params.max_new_tokens) // block) * block
+        scal = (jnp.asarray(0, jnp.uint32),
+                jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
+                jnp.float32(params.top_p), jnp.float32(params.repetition_penalty),
+                jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
+        return cfg, st, P, S, scal, self._functions(st, cfg, S)
+
+    def warmup(self, state, params: SamplingParams, prompt_len: int) -> float:
+        """Compiles what ``generate`` runs for prompts of up to ``prompt_len`` tokens (every
+        power-of-two count of prompts per insert, the decode chunk) on no-op calls: inserts
+        whose rows are all dropped, a chunk with every slot idle. Returns seconds."""
+        t0 = time.perf_counter()
+        _, _, P, _, scal, (init, insert, decode) = self._setup(state, params, prompt_len)
+        B, R = self.slots, self.insert_rows
+        with self._ctx():
+            carry = init()
+            Rp = 1
+            while True:
+                z = lambda *shape: self._put(np.zeros(shape, np.int32))  # noqa: E731
+                carry, *_ = insert(state, carry, z(Rp, P), z(Rp, P), self._put(np.ones(Rp, np.int32)),
+                                   self._put(np.full(R, B, np.int32)), z(R), z(R), z(R),
+                                   self._put(np.ones(R, np.int32)), *scal)
+                if Rp >= R:
+                    break
+                Rp = min(2 * Rp, R)
+            carry, *_ = decode(state, carry, self._put(np.zeros(B, bool), SLOT_NAMES), *scal)
+            jax.block_until_ready(carry)
+        return time.perf_counter() - t0
+
+    # ----------------------------------------------------------------- host loop
+    def generate(self, state, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 seed: int, budgets=None,
+                 on_finish: Callable[[list[Finished]], None] | None = None) -> SampleOutput:
+        """``params.n`` samples per prompt (see the module docstring). ``budgets``: optional
+        int [len(prompts) * n], per-sample caps on new tokens (<= max_new_tokens)."""
+        t0 = time.perf_counter()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Engine.generate: params must be SamplingParams, got {type(params)}")
+        vocab = nnx.merge(self.graphdef, state).config.vocab_size
+        prompts = su.validate_prompts(prompts, vocab, self.max_prompt_len)
+        _, _, P, S, scal, (init, insert, decode) = self._setup(
+            state, params, max(map(len, prompts)))
+        scal = (jnp.asarray(int(seed) % 2**32, jnp.uint32),) + scal[1:]
         n, npr, M = params.n, len(prompts), params.max_new_tokens
         N = npr * n
         budget = (np.full(N, M, np.int32) if budgets is None
                   else su.check_budgets(budgets, N, M))
-        P = su.bucket_length(max(map(len, prompts)), self.max_prompt_len)
-        with self._ctx():
-            block = backend.decode_block()
-        S = -(-(P + M) // block) * block
         h, occ = su.prompt_hashes(prompts)
         sid = (np.repeat(occ, n) * n + np.tile(np.arange(n), npr)).astype(np.int32)
         phash = np.repeat(h, n).astype(np.int32)
         stop_ids = np.asarray(params.stop_token_ids, np.int64)
-        scal = (jnp.asarray(int(seed) % 2**32, jnp.uint32),
-                jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
-                jnp.float32(params.top_p), jnp.float32(params.repetition_penalty),
-                jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
-        insert, decode = self._functions(st)
         B, R = self.slots, self.insert_rows
 
         toks: list[list[np.ndarray]] = [[] for _ in range(N)]
@@ -274,13 +306,14 @@ class Engine:
             return toks[s][0] if toks[s] else np.zeros(0, np.int32)
 
         def handoff():
-            for s in ready:
-                if on_finish is not None:
+            if on_finish is not None and ready:
+                batch = []
+                for s in ready:
                     L = int(result["lengths"][s])
-                    on_finish(Finished(s, s // n, toks_of(s)[:L].copy(),
-                                       np.concatenate(lps[s])[:L] if lps[s] else
-                                       np.zeros(0, np.float32),
-                                       bool(result["truncated"][s]), bool(result["hit"][s])))
+                    batch.append(Finished(s, s // n, toks_of(s)[:L].copy(),
+                                          np.concatenate(lps[s])[:L],
+                                          bool(result["truncated"][s]), bool(result["hit"][s])))
+                on_finish(batch)
             ready.clear()
 
         def append(s, t, lp):
@@ -297,7 +330,7 @@ class Engine:
             return 0
 
         with self._ctx():
-            carry = jax.jit(lambda: self._init(cfg, st, S))()
+            carry = init()
             keep_all = self._put(np.ones(B, bool), SLOT_NAMES)
             while True:
                 # ---- refill free slots with pending samples (device work, dispatched)

@@ -60,7 +60,7 @@ def _config(root, tok_dir, workdir, steps):
         f"workdir={workdir}", f"data.dir={root / 'tfds'}", "data.name=tiny_rl_math",
         f"data.tokenizer={tok_dir}", f"model.vocab_size={-(-n_vocab // 64) * 64}",
         f"train.total_steps={steps}", "rollout.max_new_tokens=24", "train.length_bucket=0",
-        "rollout.sample_chunk_prompts=4"])  # one compiled shape
+        "rollout.decode_slots=32"])
 
 
 def test_rl_end_to_end_and_resume(rl_setup, tmp_path, compile_cache):

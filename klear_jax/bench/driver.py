@@ -15,13 +15,17 @@ import time
 import jax
 
 from klear_jax.bench.measure import round_orders
+from klear_jax.bench.rollout import PRESETS as ROLLOUT_PRESETS
+from klear_jax.bench.rollout import run_rollout
 from klear_jax.bench.workloads import (run_reference_workload, run_sample, run_scale,
                                        run_train, sizes)
 
-WORKLOADS = ("train", "sample", "reference", "scale")
+WORKLOADS = ("train", "sample", "reference", "scale", "rollout")
+DEFAULT_WORKLOADS = ("train", "sample", "reference", "scale")
 # The number each workload's repeated runs are ranked by (``--rounds``).
 HEADLINE = {"train": "tokens_per_s", "sample": "tokens_per_s",
-            "reference": "train_tokens_per_s", "scale": "compile_ratio"}
+            "reference": "train_tokens_per_s", "scale": "compile_ratio",
+            "rollout": "engine_vs_static"}
 # Numbers that come from their own median run, with the ones measured with them: the
 # reference's generate (so the sample ratio pairs medians with medians) and the sampler's
 # decode cost ratio (a target of its own, not ranked by generate tokens/s).
@@ -38,6 +42,7 @@ TARGETS = (  # (name, value path, comparison, threshold)
     ("sample_vs_reference", ">=", 1.5),
     ("decode_cost_1024_vs_64", "<=", 1.5),
     ("compile_32_vs_2_layers", "<=", 1.5),
+    ("rollout_engine_vs_static", ">=", 2.0),
 )
 
 
@@ -68,11 +73,15 @@ def malloc_preload(choice: str) -> str | None:
     return lib
 
 
-def worker_env(threads: int, preload: str | None = None) -> dict:
-    """The environment every workload process gets: CPU JAX with one device, the same
-    intra-op thread count for XLA (Eigen pool = all cores) and torch (set explicitly), and
-    ``preload`` (an allocator library, see ``malloc_preload``) ahead of any LD_PRELOAD."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(threads),
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+
+
+def worker_env(threads: int, preload: str | None = None, platform: str = "cpu") -> dict:
+    """The environment every workload process gets: JAX on ``platform`` (CPU: one device),
+    the same intra-op thread count for XLA (Eigen pool = all cores) and torch (set
+    explicitly), and ``preload`` (an allocator library, see ``malloc_preload``) ahead of any
+    LD_PRELOAD."""
+    env = dict(os.environ, JAX_PLATFORMS=PLATFORMS[platform], OMP_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2")
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
@@ -91,9 +100,10 @@ def loaded_allocator() -> str:
         return "system"
 
 
-def run_worker(name: str, quick: bool, threads: int) -> dict:
+def run_worker(name: str, quick: bool, threads: int, preset: str = "") -> dict:
     fns = {"train": run_train, "sample": run_sample, "scale": run_scale,
-           "reference": lambda q: run_reference_workload(q, threads)}
+           "reference": lambda q: run_reference_workload(q, threads),
+           "rollout": lambda q: run_rollout(preset or ("quick" if q else "small"))}
     t0 = time.perf_counter()
     out = fns[name](quick)
     out["wall_s"] = time.perf_counter() - t0
@@ -105,13 +115,14 @@ def run_worker(name: str, quick: bool, threads: int) -> dict:
 
 
 def spawn(name: str, quick: bool, threads: int, timeout: float,
-          preload: str | None = None) -> dict:
+          preload: str | None = None, preset: str = "", platform: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"{name}.json")
         cmd = [sys.executable, "-m", "klear_jax.bench", "--worker", name, "--worker-out", path,
-               "--threads", str(threads)] + (["--quick"] if quick else [])
-        p = subprocess.run(cmd, env=worker_env(threads, preload), capture_output=True, text=True,
-                           timeout=timeout)
+               "--threads", str(threads)] + (["--quick"] if quick else []) + \
+            (["--preset", preset] if preset else [])
+        p = subprocess.run(cmd, env=worker_env(threads, preload, platform), capture_output=True,
+                           text=True, timeout=timeout)
         if p.returncode != 0 or not os.path.exists(path):
             return {"error": f"workload {name!r} exited with {p.returncode}",
                     "stderr_tail": p.stderr[-3000:]}
@@ -174,6 +185,8 @@ def ratios(res: dict) -> dict:
         out["decode_cost_1024_vs_64"] = g("sample", "decode_cost_ratio")
     if sc:
         out["compile_32_vs_2_layers"] = sc
+    if g("rollout", "engine_vs_static"):
+        out["rollout_engine_vs_static"] = g("rollout", "engine_vs_static")
     if g("train", "matmul") and g("reference", "matmul"):
         out["jax_vs_torch_matmul_peak"] = (res["train"]["matmul"]["peak_flops"]
                                           / res["reference"]["matmul"]["peak_flops"])
@@ -193,7 +206,8 @@ def targets(r: dict) -> dict:
 def table(res: dict) -> str:
     lines = []
     add = lambda k, v: lines.append(f"  {k:<44s} {v}")
-    t, s, sc, ref = (res.get(k) or {} for k in ("train", "sample", "scale", "reference"))
+    t, s, sc, ref, ro = (res.get(k) or {} for k in ("train", "sample", "scale", "reference",
+                                                     "rollout"))
     for w in WORKLOADS:
         if "error" in (res.get(w) or {}):
             add(f"{w}: ERROR", res[w]["error"])
@@ -224,6 +238,15 @@ def table(res: dict) -> str:
         add("MFU vs torch f32 matmul peak", f"{ref['mfu']:.1%} (peak {ref['matmul']['peak_flops']/1e9:.1f} GFLOP/s)")
         add("generate tokens/s", f"{ref['generate_tokens_per_s']:.0f}")
         add("time to first token s", f"{ref['ttft_s']:.3f}")
+    if "engine" in ro:
+        ln = ro["lengths"]
+        lines.append(f"rollout ({ro['preset']}: {ro['prompts']} x {ro['n']} samples, prompt "
+                     f"{ro['prompt_len']}, lengths mean {ln['mean']:.0f} / max "
+                     f"{ro['max_new_tokens']} = {ln['mean_over_max']:.2f}, {ro['slots']} slots)")
+        for side in ("static", "engine"):
+            add(f"{side} useful tokens/s (slot utilisation)",
+                f"{ro[side]['useful_tokens_per_s']:.0f} ({ro[side]['slot_utilisation']:.0%})")
+        add("engine / static", f"{ro['engine_vs_static']:.2f}x, tokens equal: {ro['tokens_equal']}")
     for w, values in res.get("rounds", {}).items():
         w, _, key = w.partition(":")
         add(f"{w} {key or HEADLINE[w]} per round",
@@ -237,7 +260,7 @@ def table(res: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description="klear_jax benchmarks (see module docstring)")
     p.add_argument("--out", help="write all results as JSON here")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"comma-separated subset of {WORKLOADS}")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--threads", type=int, default=_threads())
@@ -248,11 +271,16 @@ def main(argv=None) -> dict:
                         "keeps every run whole under 'runs'")
     p.add_argument("--malloc", default="auto", choices=MALLOC_CHOICES,
                    help="allocator of every workload process: auto = tcmalloc when installed")
+    p.add_argument("--preset", default="", choices=("",) + tuple(ROLLOUT_PRESETS),
+                   help="the rollout workload's sizes (default small; quick with --quick; gpu "
+                        "= Qwen3-1.7B shape, bfloat16)")
+    p.add_argument("--platform", default="cpu", choices=tuple(PLATFORMS),
+                   help="JAX platform of the workload processes (gpu / tpu: rollout only)")
     p.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        res = run_worker(a.worker, a.quick, a.threads)
+        res = run_worker(a.worker, a.quick, a.threads, a.preset)
         with open(a.worker_out, "w") as f:
             json.dump(res, f)
         return res
@@ -273,7 +301,8 @@ def main(argv=None) -> dict:
     for order in round_orders(names, a.rounds):
         for w in order:
             t0 = time.perf_counter()
-            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload))
+            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload, a.preset,
+                                 a.platform))
             print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             res[w] = combine_runs(w, runs[w])
             if a.rounds > 1:

@@ -222,7 +222,9 @@ class CodeScorer(Closing):
         self.cfg = cfg or CodeRewardConfig()
         self.sandbox = Sandbox(self.cfg.sandbox)
         self._runs = cf.ThreadPoolExecutor(self.cfg.sandbox.slots, thread_name_prefix="sbx")
-        self._batches = cf.ThreadPoolExecutor(1, thread_name_prefix="sbx-batch")
+        # Batches may overlap (a rollout engine submits each chunk's finished samples as
+        # they come): their runs share the `slots` sandbox threads above.
+        self._batches = cf.ThreadPoolExecutor(self.cfg.sandbox.slots, thread_name_prefix="sbx-batch")
 
     def _format(self, response: str) -> float | None:
         cfg = self.cfg

@@ -1,7 +1,11 @@
 """The GPPO loop, one RL step as named phases:
 
-    rollout            P prompts x G responses on the training mesh with the current params
-    score              decode and score them (code in the sandbox pool, overlapping math)
+    rollout            P prompts x G responses from the rollout engine (``klear_jax.engine``)
+                       on the training mesh with the current params; each chunk's finished
+                       responses are submitted for scoring while decoding goes on
+                       (``rollout.overlap_scoring``; ``klear_jax.rl.rollout``)
+    score              wait for the scores still running (all of them when not overlapped:
+                       decode-then-score); group advantages
     build_minibatches  group advantages; keep at most ``train.batch_prompts`` groups with a
                        learning signal; the rows, split into K mini-batches
     old_logprobs       the trainer's chunked log-probs on the pre-update params (the
@@ -34,10 +38,12 @@ from klear_jax import sharding as shd
 from klear_jax import train_step as ts
 from klear_jax.data.pipeline import rl_prompt_batches
 from klear_jax.data.tokenizer import load_tokenizer
+from klear_jax.engine import Engine
 from klear_jax.rewards.scorers import Scorers
 from klear_jax.rl import batch as rb
 from klear_jax.rl import metrics as rm
 from klear_jax.rl.config import validate_rl_config
+from klear_jax.rl.rollout import GroupScoring, Rollout
 from klear_jax.rl.step import build_logprob_fn, build_rl_step, minibatch_rows, rl_optimizer
 from klear_jax.sampler import Sampler, SamplingParams
 from klear_jax.trainer import Trainer
@@ -62,29 +68,6 @@ def _max_over_processes(n: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.asarray(n))))
 
 
-def score_responses(scorers: Scorers, records, texts, G: int):
-    """(rewards float32 [P, G], correct bool [P, G]): response p * G + g answers
-    records[p], scored as code when the record has tests, else as math."""
-    kinds = [rm.record_kind(records[i // G]) for i in range(len(texts))]
-    refs = [records[i // G]["tests"] if k == "code" else records[i // G]["answer"]
-            for i, k in enumerate(kinds)]
-    s = scorers.score(kinds, texts, refs)
-    return s.rewards.reshape(len(records), G), s.correct.reshape(len(records), G)
-
-
-@dataclasses.dataclass
-class Rollout:
-    """G responses to each of this process's P prompts; response p * G + g answers p."""
-    records: list[dict]
-    prompts: list[list[int]]
-    tokens: np.ndarray       # int32 [P*G, M]
-    logprobs: np.ndarray     # float32 [P*G, M] the sampler's
-    lengths: np.ndarray      # int32 [P*G]
-    truncated: np.ndarray    # bool [P*G]
-    texts: list[str]
-    seconds: float
-
-
 class RLStep:
     """Everything an RL step needs, built once per run; each phase is a method."""
 
@@ -93,8 +76,11 @@ class RLStep:
         self.cfg, self.mesh, self.tok = cfg, mesh, tok
         self.G, self.n_proc = ro.group_size, jax.process_count()
         self.pad_id, stop_ids = policy.special_ids(tok, model_cfg.vocab_size)
-        self.sampler = Sampler(graphdef, mesh=mesh, pad_id=self.pad_id,
-                               max_prompt_len=ro.max_prompt_len)
+        slots = ro.decode_slots or ro.prompts_per_step * ro.group_size
+        self.engine = Engine(graphdef, mesh=mesh, pad_id=self.pad_id,
+                             max_prompt_len=ro.max_prompt_len,
+                             slots=max(1, slots // self.n_proc), chunk=ro.decode_chunk,
+                             tokenizer=tok)
         self.sparams = SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
                                       top_k=ro.top_k, repetition_penalty=ro.repetition_penalty,
                                       max_new_tokens=ro.max_new_tokens, stop_token_ids=stop_ids,
@@ -108,24 +94,30 @@ class RLStep:
         self.cap = ro.max_prompt_len + ro.max_new_tokens
 
     # ------------------------------------------------------------------ phases
-    def rollout(self, params, records, seed: int) -> Rollout:
+    def rollout(self, params, records, seed: int) -> tuple[Rollout, GroupScoring | None]:
+        """The responses, and (overlapped scoring) their scores in flight."""
         t0 = time.perf_counter()
         prompts = [r["prompt_ids"].tolist() for r in records]
-        chunk = self.cfg.rollout.sample_chunk_prompts // self.n_proc or len(prompts)
-        outs = [self.sampler.generate(nnx.State(params), prompts[i:i + chunk], self.sparams,
-                                      seed + i) for i in range(0, len(prompts), chunk)]
-        cat = lambda f: np.concatenate([getattr(o, f) for o in outs])  # noqa: E731
-        texts = [t for o in outs for t in Sampler.decode_text(o, self.tok)]
-        return Rollout(records, prompts, cat("tokens"), cat("logprobs"), cat("lengths"),
-                       cat("truncated"), texts, time.perf_counter() - t0)
+        lc = self.cfg.loss
+        scoring = (GroupScoring(self.scorers, records, self.G, self.tok, lc.adv_estimator,
+                                lc.adv_use_std) if self.cfg.rollout.overlap_scoring else None)
+        out = self.engine.generate(nnx.State(params), prompts, self.sparams, seed,
+                                   on_finish=scoring.add if scoring else None)
+        texts = Sampler.decode_text(out, self.tok)
+        return Rollout(records, prompts, out.tokens, out.logprobs, out.lengths, out.truncated,
+                       texts, time.perf_counter() - t0), scoring
 
-    def score(self, ro: Rollout):
-        return score_responses(self.scorers, ro.records, ro.texts, self.G)
+    def score(self, ro: Rollout, scoring: GroupScoring | None):
+        """(rewards, correct, advantages), each [P, G]."""
+        if scoring is None:
+            scoring = GroupScoring(self.scorers, ro.records, self.G, self.tok,
+                                   self.cfg.loss.adv_estimator, self.cfg.loss.adv_use_std)
+            scoring.submit(range(len(ro.texts)), ro.texts)
+        return scoring.result()
 
-    def build_minibatches(self, ro: Rollout, rewards, correct):
+    def build_minibatches(self, ro: Rollout, adv, rewards, correct):
         """(host mini-batches, kept group indices, has-signal mask [P], row length)."""
         lc, G = self.cfg.loss, self.G
-        adv = rb.group_advantages(rewards, lc.adv_estimator, lc.adv_use_std)
         kept, signal = rb.select_groups(rewards, self.batch_prompts, lc.filter_zero_adv)
         needed = max((len(ro.prompts[p]) + int(ro.lengths[p * G + g])
                       for p in kept for g in range(G)), default=1)
@@ -212,11 +204,11 @@ def run(cfg) -> dict:
                     break
                 rng, sub = jax.random.split(rng)
                 seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
-                ro = steps.rollout(state.params, records, seed)
+                ro, scoring = steps.rollout(state.params, records, seed)
                 t0 = time.perf_counter()
-                rewards, correct = steps.score(ro)
+                rewards, correct, adv = steps.score(ro, scoring)
                 t_score = time.perf_counter() - t0
-                mbs, kept, signal, seq_len = steps.build_minibatches(ro, rewards, correct)
+                mbs, kept, signal, seq_len = steps.build_minibatches(ro, adv, rewards, correct)
                 t0 = time.perf_counter()
                 dev_mbs, stats = steps.old_logprobs(state.params, mbs)
                 t_logp = time.perf_counter() - t0
