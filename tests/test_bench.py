@@ -103,7 +103,7 @@ def test_reference_generate_numbers_come_from_their_own_median_run():
 def test_rounds_keep_every_run(tmp_path, monkeypatch):
     calls = []
 
-    def fake_spawn(name, quick, threads, timeout, preload):
+    def fake_spawn(name, quick, threads, timeout, preload, **_):
         calls.append(name)
         n = len(calls)
         return ({"tokens_per_s": 100.0 + n, "mfu": n / 10, "batch": 8, "seq_len": 512,

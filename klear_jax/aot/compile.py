@@ -270,7 +270,7 @@ def _sampler_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
         out_sh = compiled_prefill().output_shardings
         carry = jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh), shapes, out_sh)
         with shd.use_mesh(mesh):
-            return decode.lower(state, carry, *k_args, *scal)
+            return decode.lower(state, carry, *k_args, *scal, sds((B,), jnp.int32, row(B)))
 
     jobs = {}
     if "prefill" in what:
