@@ -56,12 +56,13 @@ def batch_max(q, k, v, lengths, block):
     return A.ungroup_heads((o / jnp.maximum(l, 1e-30)[..., None])[:, :, :, None], q.dtype)
 
 
-def paged(q, k_pages, v_pages, table, lengths, block):
+def paged(q, k_pages, v_pages, table, lengths, block, pairs=None):
     """The ragged loop over pages: k_pages [Np, K, hd, block], v_pages [Np, K, block, hd],
     table int32 [B, S / block] (slot b's j-th block is page table[b, j])."""
     B, _, H, hd = q.shape
     K = k_pages.shape[1]
     G = H // K
+    pairs = pairs or B
     qg = A.group_queries(q, K)[:, :, :, 0] * hd ** -0.5
     nb = (lengths + block - 1) // block
     ends = jnp.cumsum(nb)
@@ -70,7 +71,7 @@ def paged(q, k_pages, v_pages, table, lengths, block):
 
     def trip(i, acc):
         m, l, o = acc
-        t = i * B + jnp.arange(B)
+        t = i * pairs + jnp.arange(pairs)
         b = jnp.minimum(jnp.searchsorted(ends, t, side="right"), B - 1)
         j = t - starts[b]
         page = table[b, jnp.minimum(j, table.shape[1] - 1)]
@@ -88,7 +89,7 @@ def paged(q, k_pages, v_pages, table, lengths, block):
         return (m_new, (l * a).at[b].add(e.sum(-1) * w),
                 (o * a[..., None]).at[b].add(op * w[..., None]))
     acc = (jnp.full((B, K, G), NEG), jnp.zeros((B, K, G)), jnp.zeros((B, K, G, hd)))
-    m, l, o = jax.lax.fori_loop(0, (total + B - 1) // B, trip, acc)
+    m, l, o = jax.lax.fori_loop(0, (total + pairs - 1) // pairs, trip, acc)
     return A.ungroup_heads((o / jnp.maximum(l, 1e-30)[..., None])[:, :, :, None], q.dtype)
 
 
@@ -125,6 +126,11 @@ def main():
         table = jnp.asarray(inv.reshape(B, nbk), jnp.int32)
         fns[f"paged/{blk}"] = (jax.jit(lambda q, kp, vp, t, l, b=blk: paged(q, kp, vp, t, l, b)),
                                (q, kp[perm], vp[perm], table, lengths))
+        ident = jnp.arange(B * nbk, dtype=jnp.int32).reshape(B, nbk)
+        for mult in (1, 2, 4):
+            fns[f"blocked/{blk}/x{mult}"] = (
+                jax.jit(lambda q, kp, vp, t, l, b=blk, m=mult: paged(q, kp, vp, t, l, b, m * B)),
+                (q, kp, vp, ident, lengths))
     times = {name: [] for name in fns}
     for name, (f, args) in fns.items():
         out = f(*args).block_until_ready()

@@ -7,8 +7,9 @@ A random model writes no code, so its responses fail the format check and the sa
 runs: the demo's data, tokenizer and SFT stage (``klear_jax.demo``, default size: Qwen3
 shape, hidden 128, 2 layers) make a model that answers the code tasks with ```python blocks,
 graded by 4 hidden function-call tests each in the bubblewrap sandbox. Then GPPO on the code
-prompts with the demo's RL config (tiny GPPO: 8 prompts x 8 samples a step, 48 new tokens,
-code rewards, ``reward.code.dedupe`` off so every sample runs its tests) from the same SFT
+prompts with the demo's RL config as configs/gppo_tiny.py runs it (8 prompts x 8 samples a
+step, 32 decode slots, chunks of 8 steps, 48 new tokens, code rewards, ``reward.code.dedupe``
+off so every sample runs its tests) from the same SFT
 weights, ``--steps`` steps per run, runs alternating overlap on / off (``--pairs`` of
 them). Per run: the median over steps 2.. (step 1 compiles) of time/step_s, time/sample_s
 (engine call, scoring submissions included when overlapped) and time/score_s (waiting for
@@ -55,6 +56,8 @@ def main():
             name = f"rl_code_{'overlap' if overlap else 'serial'}_{pair}"
             demo.run_rl(a.workdir, name, sft_dir, data, "code", "default", 0, a.steps,
                         s.code_rl_overrides + ("reward.code.dedupe=false",
+                                               "rollout.decode_slots=32",
+                                               "rollout.decode_chunk=8",
                                                f"rollout.overlap_scoring={str(overlap).lower()}"))
             rows = read_jsonl(os.path.join(a.workdir, name, "metrics.jsonl"))[1:]
             med = {k: statistics.median(r[k] for r in rows) for k in KEYS}

@@ -41,7 +41,10 @@ BENCH_SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, nu
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
                   num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
                   max_position_embeddings=40960, tie_word_embeddings=True, dtype="bfloat16",
-                  param_dtype="bfloat16")
+                  param_dtype="bfloat16",
+                  # the engine's prefill runs the training attention: XLA's until the fused
+                  # GPU kernel ("auto" on GPU) is in this build
+                  attention_impl="xla")
 
 
 @dataclasses.dataclass(frozen=True)
