@@ -11,9 +11,10 @@ after budget[s] tokens (``budgets=``). Both draw identical tokens (checked: ``to
              ends, attending over the whole P + M cache
     engine   ``Engine.generate`` with ``slots`` decode slots, refilled between chunks
 
-Per side: useful_tokens_per_s (generated tokens that belong to a sample / wall seconds of the
-timed call, compilation excluded by a warm-up on the same shapes), slot_utilisation (useful
-tokens / (decode steps x rows)), seconds. ``engine_vs_static`` is the ratio of the useful
+Each side runs twice, in the order static, engine, engine, static (a shared host's speed
+drifts). Per side: useful_tokens_per_s (generated tokens that belong to a sample / wall
+seconds of the timed calls, compilation excluded by a warm-up on the same shapes),
+slot_utilisation (useful tokens / (decode steps x rows)), seconds. ``engine_vs_static`` is the ratio of the useful
 token rates. Presets (``--preset``): "small" (CPU default: bench-small, float32), "quick"
 (tests), "gpu" (Qwen3-1.7B shape, bfloat16, for one H200).
 """
@@ -66,9 +67,10 @@ PRESETS = {
                          param_dtype="float32"),
                     prompts=4, n=4, prompt_len=8, max_new_tokens=32, slots=8, chunk=4,
                     insert_rows=4),
-    "small": Preset(BENCH_SMALL, prompts=32, n=8, prompt_len=64, max_new_tokens=384, slots=32,
+    "small": Preset(BENCH_SMALL, prompts=16, n=8, prompt_len=64, max_new_tokens=384, slots=16,
                     chunk=16, insert_rows=8),
-    "gpu": Preset(QWEN3_1_7B, prompts=32, n=8, prompt_len=256, max_new_tokens=2048, slots=128,
+    # sized for a 15-minute device lease: ~3 minutes with compilation (estimated)
+    "gpu": Preset(QWEN3_1_7B, prompts=32, n=8, prompt_len=256, max_new_tokens=1024, slots=64,
                   chunk=32, insert_rows=8),
 }
 
@@ -128,13 +130,22 @@ def run_rollout(preset: str = "small") -> dict:
     engine.warmup(state, params, p.prompt_len)
     warm_s = time.perf_counter() - t0
 
-    s_tokens, s_lengths, s_sec, s_cost = run_static(sampler, state, prompts, params, budgets,
-                                                    per_call)
-    out = engine.generate(state, prompts, params, seed=0, budgets=budgets)
-    est = engine.last_stats
+    # ABBA: static, engine, engine, static, so that a drift in the box's speed (a shared
+    # host) hits both sides alike; each side's rate is its tokens over its seconds.
+    secs = {"static": [], "engine": []}
+    for side in ("static", "engine", "engine", "static"):
+        if side == "static":
+            s_tokens, s_lengths, sec, s_cost = run_static(sampler, state, prompts, params,
+                                                          budgets, per_call)
+        else:
+            out = engine.generate(state, prompts, params, seed=0, budgets=budgets)
+            est, sec = engine.last_stats, engine.last_stats["total_s"]
+        secs[side].append(sec)
     useful = int(budgets.sum())
-    static = _side(int(s_lengths.sum()), s_sec, s_cost)
-    eng = _side(int(out.lengths.sum()), est["total_s"], est["decode_steps"] * p.slots)
+    static = _side(2 * int(s_lengths.sum()), sum(secs["static"]), 2 * s_cost)
+    eng = _side(2 * int(out.lengths.sum()), sum(secs["engine"]),
+                2 * est["decode_steps"] * p.slots)
+    static["runs_s"], eng["runs_s"] = secs["static"], secs["engine"]
     eng.update({k: est[k] for k in ("chunks", "inserts", "cache_length", "first_chunk_s")})
     return {"preset": preset, "model": p.model, "prompts": p.prompts, "n": p.n,
             "prompt_len": p.prompt_len, "max_new_tokens": p.max_new_tokens, "slots": p.slots,

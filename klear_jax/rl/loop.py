@@ -62,6 +62,21 @@ def build_prompts(cfg, state: dict | None = None):
     return it
 
 
+def _all_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """(every process's prompts, in process order; where this process's start). The engine's
+    host loop decides refills from the tokens it reads back, so every process must run it
+    on the same prompts to make the same jitted calls."""
+    if jax.process_count() == 1:
+        return prompts, 0
+    width = _max_over_processes(max(map(len, prompts)))
+    rows = np.zeros((len(prompts), width + 1), np.int32)  # length, then tokens
+    for i, p in enumerate(prompts):
+        rows[i, 0], rows[i, 1:1 + len(p)] = len(p), p
+    everyone = np.asarray(multihost_utils.process_allgather(rows))  # [procs, P, width + 1]
+    flat = [r[1:1 + r[0]].tolist() for proc in everyone for r in proc]
+    return flat, jax.process_index() * len(prompts)
+
+
 def _max_over_processes(n: int) -> int:
     if jax.process_count() == 1:
         return n
@@ -76,11 +91,10 @@ class RLStep:
         self.cfg, self.mesh, self.tok = cfg, mesh, tok
         self.G, self.n_proc = ro.group_size, jax.process_count()
         self.pad_id, stop_ids = policy.special_ids(tok, model_cfg.vocab_size)
-        slots = ro.decode_slots or ro.prompts_per_step * ro.group_size
         self.engine = Engine(graphdef, mesh=mesh, pad_id=self.pad_id,
                              max_prompt_len=ro.max_prompt_len,
-                             slots=max(1, slots // self.n_proc), chunk=ro.decode_chunk,
-                             tokenizer=tok)
+                             slots=ro.decode_slots or ro.prompts_per_step * ro.group_size,
+                             chunk=ro.decode_chunk, tokenizer=tok)
         self.sparams = SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
                                       top_k=ro.top_k, repetition_penalty=ro.repetition_penalty,
                                       max_new_tokens=ro.max_new_tokens, stop_token_ids=stop_ids,
@@ -101,11 +115,21 @@ class RLStep:
         lc = self.cfg.loss
         scoring = (GroupScoring(self.scorers, records, self.G, self.tok, lc.adv_estimator,
                                 lc.adv_use_std) if self.cfg.rollout.overlap_scoring else None)
-        out = self.engine.generate(nnx.State(params), prompts, self.sparams, seed,
-                                   on_finish=scoring.add if scoring else None)
-        texts = Sampler.decode_text(out, self.tok)
-        return Rollout(records, prompts, out.tokens, out.logprobs, out.lengths, out.truncated,
-                       texts, time.perf_counter() - t0), scoring
+        everyone, first = _all_prompts(prompts)  # every process decodes all prompts
+        lo, hi = first * self.G, (first + len(prompts)) * self.G
+
+        def mine(finished):  # score this process's samples, indexed locally
+            scoring.add([dataclasses.replace(f, index=f.index - lo,
+                                             prompt_index=f.prompt_index - first)
+                         for f in finished if lo <= f.index < hi])
+        out = self.engine.generate(nnx.State(params), everyone, self.sparams, seed,
+                                   on_finish=mine if scoring else None)
+        rows = slice(lo, hi)
+        texts = Sampler.decode_text(dataclasses.replace(out, tokens=out.tokens[rows],
+                                                        lengths=out.lengths[rows]), self.tok)
+        return Rollout(records, prompts, out.tokens[rows], out.logprobs[rows],
+                       out.lengths[rows], out.truncated[rows], texts,
+                       time.perf_counter() - t0), scoring
 
     def score(self, ro: Rollout, scoring: GroupScoring | None):
         """(rewards, correct, advantages), each [P, G]."""
