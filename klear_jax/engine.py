@@ -279,61 +279,19 @@ class Engine:
         h, occ = su.prompt_hashes(prompts)
         sid = (np.repeat(occ, n) * n + np.tile(np.arange(n), npr)).astype(np.int32)
         phash = np.repeat(h, n).astype(np.int32)
-        stop_ids = np.asarray(params.stop_token_ids, np.int64)
         B, R = self.slots, self.insert_rows
 
-        toks: list[list[np.ndarray]] = [[] for _ in range(N)]
-        lps: list[list[np.ndarray]] = [[] for _ in range(N)]
-        count = np.zeros(N, np.int64)
-        result = {"lengths": np.zeros(N, np.int32), "truncated": np.zeros(N, bool),
-                  "hit": np.zeros(N, bool)}
+        samples = _Samples(n, budget, params.stop_token_ids, params.stop_strings, self.tokenizer)
         pending = collections.deque(range(N))
-        slot_sample = np.full(B, -1, np.int64)
-        release = np.zeros(B, bool)
-        ready: list[int] = []
+        slot_sample = np.full(B, -1, np.int64)  # the sample each slot decodes, -1: free
+        release = np.zeros(B, bool)  # ended by the host: idle them at the next chunk
         stats = collections.Counter()
         t_first = None
-
-        def finish(s: int, length: int, hit: bool):
-            result["lengths"][s], result["hit"][s] = length, hit
-            last = toks_of(s)[length - 1] if length else -1
-            result["truncated"][s] = not hit and not np.isin(last, stop_ids)
-            ready.append(s)
-
-        def toks_of(s):
-            if len(toks[s]) > 1:
-                toks[s], lps[s] = [np.concatenate(toks[s])], [np.concatenate(lps[s])]
-            return toks[s][0] if toks[s] else np.zeros(0, np.int32)
-
-        def handoff():
-            if on_finish is not None and ready:
-                batch = []
-                for s in ready:
-                    L = int(result["lengths"][s])
-                    batch.append(Finished(s, s // n, toks_of(s)[:L].copy(),
-                                          np.concatenate(lps[s])[:L],
-                                          bool(result["truncated"][s]), bool(result["hit"][s])))
-                on_finish(batch)
-            ready.clear()
-
-        def append(s, t, lp):
-            toks[s].append(t)
-            lps[s].append(lp)
-            before = count[s]
-            count[s] += len(t)
-            if params.stop_strings:
-                cut = su.stop_string_cut(self.tokenizer, toks_of(s), params.stop_strings,
-                                         checked=int(before))
-                if cut:
-                    count[s] = cut
-                    return cut
-            return 0
-
         with self._ctx():
             carry = init()
             keep_all = self._put(np.ones(B, bool), SLOT_NAMES)
             while True:
-                # ---- refill free slots with pending samples (device work, dispatched)
+                # ---- refill free slots with pending samples (dispatched, not waited for)
                 inserted = []
                 free = list(np.nonzero(slot_sample < 0)[0])
                 while free and pending:
@@ -341,50 +299,32 @@ class Engine:
                     rows, free = free[:len(take)], free[len(take):]
                     carry, first = self._insert_call(insert, state, carry, prompts, take, rows,
                                                      n, phash, sid, budget, scal)
-                    slot_sample[rows] = take
-                    release[rows] = False
-                    inserted.append((take, first))
+                    slot_sample[rows], release[rows] = take, False
+                    inserted.append((rows, first))
                     stats["inserts"] += 1
-                active = slot_sample >= 0
-                if not active.any():
+                if (slot_sample < 0).all():
                     break
                 keep = keep_all if not release.any() else self._put(~release, SLOT_NAMES)
                 carry, ct, cl, ce = decode(state, carry, keep, *scal)
                 stats["chunks"] += 1
-                handoff()  # host work for the last chunk's samples overlaps this chunk
-                # ---- read back: first tokens of inserted samples, then the chunk
-                for take, (tok, lp) in inserted:
+                samples.handoff(on_finish)  # host work on the last chunk's samples overlaps
+                # ---- read back the inserts' first tokens, then the chunk's tokens
+                for rows, (tok, lp) in inserted:
                     tok, lp = np.asarray(tok), np.asarray(lp)
-                    for r, s in enumerate(take):
-                        cut = append(s, tok[r:r + 1], lp[r:r + 1])
-                        if cut or np.isin(tok[r], stop_ids) or budget[s] <= 1:
-                            finish(s, cut or 1, bool(cut))
-                            release[slot_sample == s] = True
-                if t_first is None:
-                    t_first = time.perf_counter()
+                    for r, b in enumerate(rows):
+                        samples.add(slot_sample[b], tok[r:r + 1], lp[r:r + 1])
+                t_first = t_first or time.perf_counter()
                 ct, cl, ce = (shd.to_host(x) for x in (ct, cl, ce))
                 stats["useful_slot_steps"] += int(ce.sum())
-                for b in np.nonzero(active)[0]:
+                for b in np.nonzero(slot_sample >= 0)[0]:
                     s = slot_sample[b]
-                    if s in ready or release[b]:  # ended at its first token / stop string
-                        slot_sample[b] = -1
-                        continue
-                    m = ce[:, b]
-                    if m.any():
-                        cut = append(s, ct[m, b], cl[m, b])
-                        if cut:
-                            finish(s, cut, True)
-                            release[b] = True
-                            slot_sample[b] = -1
-                            continue
-                    L = int(count[s])
-                    last = toks_of(s)[L - 1]
-                    if np.isin(last, stop_ids) or L >= budget[s]:
-                        finish(s, L, False)
-                        slot_sample[b] = -1
-            handoff()
+                    if ce[:, b].any():
+                        samples.add(s, ct[ce[:, b], b], cl[ce[:, b], b])
+                    if samples.ended[s]:  # the device idles it already, unless the host ended it
+                        slot_sample[b], release[b] = -1, True
+            samples.handoff(on_finish)
         t_end = time.perf_counter()
-        out = self._output(prompts, n, P, M, toks, lps, result)
+        out = samples.output(prompts, P, M, self.pad_id)
         C = stats["chunks"] * self.chunk
         self.last_stats = {
             "chunks": stats["chunks"], "inserts": stats["inserts"], "slots": B,
@@ -421,20 +361,79 @@ class Engine:
         carry, tok, lp = insert(state, carry, *args, *scal)
         return carry, (tok, lp)
 
-    def _output(self, prompts, n, P, M, toks, lps, result) -> SampleOutput:
-        N = len(prompts) * n
-        tokens = np.full((N, M), self.pad_id, np.int32)
+
+class _Samples:
+    """Host record of one ``generate`` call's N samples (sample s = prompt s // n, copy
+    s % n): their tokens as chunks return them, where each one ends (stop token, budget, stop
+    string), the hand-over batches and the SampleOutput."""
+
+    def __init__(self, n: int, budget: np.ndarray, stop_ids, stop_strings, tokenizer):
+        N = len(budget)
+        self.n, self.budget, self.tokenizer = n, budget, tokenizer
+        self.stop_ids, self.stop_strings = np.asarray(stop_ids, np.int64), stop_strings
+        self.toks: list[list[np.ndarray]] = [[] for _ in range(N)]
+        self.lps: list[list[np.ndarray]] = [[] for _ in range(N)]
+        self.count = np.zeros(N, np.int64)
+        self.ended = np.zeros(N, bool)
+        self.lengths = np.zeros(N, np.int32)
+        self.truncated = np.zeros(N, bool)
+        self.hit = np.zeros(N, bool)
+        self.ready: list[int] = []
+
+    def _joined(self, s):
+        if len(self.toks[s]) > 1:
+            self.toks[s] = [np.concatenate(self.toks[s])]
+            self.lps[s] = [np.concatenate(self.lps[s])]
+        return self.toks[s][0], self.lps[s][0]
+
+    def add(self, s: int, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Appends sample s's new tokens (int32 [k]) and log-probs; ends it at a stop token,
+        its budget or (``stop_strings``) the first token whose text holds one."""
+        if self.ended[s]:
+            return
+        self.toks[s].append(tokens)
+        self.lps[s].append(logprobs)
+        before, self.count[s] = self.count[s], self.count[s] + len(tokens)
+        if self.stop_strings:
+            cut = su.stop_string_cut(self.tokenizer, self._joined(s)[0], self.stop_strings,
+                                     checked=int(before))
+            if cut:
+                return self._end(s, cut, hit=True)
+        last = tokens[-1]
+        if np.isin(last, self.stop_ids) or self.count[s] >= self.budget[s]:
+            self._end(s, int(self.count[s]), hit=False)
+
+    def _end(self, s: int, length: int, hit: bool) -> None:
+        toks, _ = self._joined(s)
+        self.ended[s], self.lengths[s], self.hit[s] = True, length, hit
+        self.truncated[s] = not hit and not np.isin(toks[length - 1], self.stop_ids)
+        self.ready.append(s)
+
+    def handoff(self, on_finish) -> None:
+        """Calls ``on_finish`` with the samples that ended since the last call."""
+        if on_finish is not None and self.ready:
+            batch = []
+            for s in self.ready:
+                (toks, lps), L = self._joined(s), int(self.lengths[s])
+                batch.append(Finished(s, s // self.n, toks[:L].copy(), lps[:L].copy(),
+                                      bool(self.truncated[s]), bool(self.hit[s])))
+            on_finish(batch)
+        self.ready = []
+
+    def output(self, prompts, P: int, M: int, pad_id: int) -> SampleOutput:
+        N = len(self.budget)
+        tokens = np.full((N, M), pad_id, np.int32)
         logprobs = np.zeros((N, M), np.float32)
         for s in range(N):
-            L = int(result["lengths"][s])
-            if L:
-                tokens[s, :L] = np.concatenate(toks[s])[:L]
-                logprobs[s, :L] = np.concatenate(lps[s])[:L]
-        ids, _ = su.left_pad(prompts, len(prompts), P, self.pad_id)
+            L = int(self.lengths[s])
+            toks, lps = self._joined(s)
+            tokens[s, :L], logprobs[s, :L] = toks[:L], lps[:L]
+        ids, _ = su.left_pad(prompts, len(prompts), P, pad_id)
+        n = self.n
         return SampleOutput(
-            tokens=tokens, logprobs=logprobs, lengths=result["lengths"].copy(),
-            truncated=result["truncated"].copy(),
+            tokens=tokens, logprobs=logprobs, lengths=self.lengths.copy(),
+            truncated=self.truncated.copy(),
             prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int32), n),
             prompt_tokens=np.repeat(ids, n, axis=0),
             prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), n),
-            stop_string_hit=result["hit"].copy())
+            stop_string_hit=self.hit.copy())
