@@ -181,13 +181,16 @@ class Engine:
 
     def _decode(self, st: _Static, state, carry, keep, seed, temperature, top_p, penalty,
                 stop_ids):
-        """``self.chunk`` steps of every slot. keep bool [B]: slots to keep decoding (False
-        releases a slot the host ended, e.g. at a stop string). Returns (carry, tokens
-        int32 [C, B], logprobs float32 [C, B], emitted bool [C, B])."""
+        """Up to ``self.chunk`` steps of every slot (fewer when every slot is idle). keep
+        bool [B]: slots to keep decoding (False releases a slot the host ended, e.g. at a
+        stop string). Returns (carry, tokens int32 [C, B], logprobs float32 [C, B], emitted
+        bool [C, B])."""
         model = nnx.merge(self.graphdef, state)
         layers = model.layer_states()  # sliced once, outside the loop
+        C, B = self.chunk, carry["last"].shape[0]
 
-        def step(c, _):
+        def step(loop):
+            i, c, out = loop
             act = c["active"]
             h, cache = model.decode_slots(c["last"], c["cache"], layers)
             cache["lengths"] = jnp.where(act, cache["lengths"], c["cache"]["lengths"])
@@ -201,11 +204,17 @@ class Engine:
                    "active": act & ~ended}
             if "presence" in c:
                 new["presence"] = c["presence"].at[jnp.arange(tok.shape[0]), tok].max(act)
-            return self._constrain(new), (jnp.where(act, tok, self.pad_id),
-                                          jnp.where(act, lp, 0.0), act)
+            out = (out[0].at[i].set(jnp.where(act, tok, self.pad_id)),
+                   out[1].at[i].set(jnp.where(act, lp, 0.0)), out[2].at[i].set(act))
+            return i + 1, self._constrain(new), out
 
         carry = {**carry, "active": carry["active"] & keep}
-        carry, (toks, lps, emitted) = jax.lax.scan(step, carry, None, length=self.chunk)
+        out = (jnp.full((C, B), self.pad_id, jnp.int32), jnp.zeros((C, B), jnp.float32),
+               jnp.zeros((C, B), jnp.bool_))
+        # A while loop, not a scan: the chunk ends early once every slot is idle.
+        _, carry, (toks, lps, emitted) = jax.lax.while_loop(
+            lambda loop: (loop[0] < C) & jnp.any(loop[1]["active"]), step,
+            (jnp.int32(0), carry, out))
         return carry, toks, lps, emitted
 
     def _functions(self, st: _Static, cfg, S: int):

@@ -143,10 +143,14 @@ class Attention(nnx.Module):
         slot's first lengths[b] + 1 entries (``kernels.slot_attention``: the work is bounded
         by what is filled, not by S). Returns (y [B, 1, D], (ck, cv))."""
         q, k, v = self._qkv(x, cos, sin)
-        rows = jnp.arange(x.shape[0])
-        # Advanced indices (rows, lengths) around slices: the update is [B, K, hd].
-        ck = ck.at[rows, :, :, lengths].set(k[:, 0].astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, :, lengths, :].set(v[:, 0].astype(cv.dtype), mode="drop")
+        # One dynamic_update_slice per row (vmapped): in place. The equivalent scatter
+        # (.at[rows, :, :, lengths].set) made XLA TPU copy the whole cache twice per decode
+        # chunk (AOT, Qwen3-8B shapes; docs/aot.md).
+        zero = jnp.zeros((), jnp.int32)
+        ck = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (zero, zero, i)))(
+            ck, k.transpose(0, 2, 3, 1).astype(ck.dtype), lengths)
+        cv = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (zero, i, zero)))(
+            cv, v.swapaxes(1, 2).astype(cv.dtype), lengths)
         ck, cv = shd.constrain(ck, CACHE_K_AXES), shd.constrain(cv, CACHE_V_AXES)
         out = slot_attention(q, ck, cv, lengths + 1)
         return self.o_proj(out, "bthk,hkd->btd"), (ck, cv)
