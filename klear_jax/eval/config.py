@@ -31,7 +31,7 @@ naming the key.
     settings.<name>.num_samples int  k for every benchmark (0 = the benchmark's)
     settings.<name>.stop_strings tuple  a sample ends at the first token whose text contains
                                   one (kept; while decoding, ``klear_jax.engine``); on the
-                                  command line a JSON list: '["</answer>"]' 
+                                  command line a JSON list: '["</answer>"]'
     reward.math.*           klear_jax.rewards.MathRewardConfig fields (as in RL)
     reward.code.*           CodeRewardConfig format penalties + sandbox limits (as in RL;
                             the mode is always "soft": accuracy = all tests pass)
