@@ -19,8 +19,8 @@ jitted functions, their carry (cache + per-slot state) donated:
     insert  prefill up to ``insert_rows`` pending samples' prompts (each distinct prompt
             once: [Rp, Pb], right-padded, Rp and Pb powers of two), write their k / v into
             free slots, sample each one's first token
-    decode  ``chunk`` decode steps of every slot (a lax.scan), appending one token to each
-            active slot per step; a slot turns idle at a stop token or its budget
+    decode  up to ``chunk`` decode steps of every slot (a while loop, ending early when all
+            are idle), appending one token to each active slot per step; a slot turns idle at a stop token or its budget
             (``max_new_tokens`` or ``budgets[s]``); idle slots compute but emit nothing
 
 Between chunks the host reads the chunk's tokens [chunk, slots], refills freed slots with
