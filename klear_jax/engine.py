@@ -20,8 +20,9 @@ jitted functions, their carry (cache + per-slot state) donated:
             once: [Rp, Pb], right-padded, Rp and Pb powers of two), write their k / v into
             free slots, sample each one's first token
     decode  up to ``chunk`` decode steps of every slot (a while loop, ending early when all
-            are idle), appending one token to each active slot per step; a slot turns idle at a stop token or its budget
-            (``max_new_tokens`` or ``budgets[s]``); idle slots compute but emit nothing
+            are idle), appending one token to each active slot per step; a slot turns
+            idle at a stop token or its budget (``max_new_tokens`` or ``budgets[s]``);
+            idle slots compute but emit nothing
 
 Between chunks the host reads the chunk's tokens [chunk, slots], refills freed slots with
 pending samples (in order: prompt 0's copies first), and dispatches the next chunk before
