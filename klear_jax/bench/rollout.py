@@ -89,9 +89,12 @@ def lognormal_budgets(n: int, max_len: int, mean_frac: float, seed: int = 0) -> 
     return draw(lo).astype(np.int32)
 
 
-def _side(useful: int, seconds: float, steps_x_rows: int) -> dict:
-    return {"useful_tokens": int(useful), "seconds": seconds,
-            "useful_tokens_per_s": useful / seconds, "slot_utilisation": useful / steps_x_rows}
+def _side(useful: int, runs_s: list, steps_x_rows: int) -> dict:
+    """One side's numbers: ``useful`` tokens and ``steps_x_rows`` decode steps x rows per run,
+    ``runs_s`` the runs' wall seconds."""
+    return {"useful_tokens": int(useful), "seconds": sum(runs_s), "runs_s": list(runs_s),
+            "useful_tokens_per_s": useful * len(runs_s) / sum(runs_s),
+            "slot_utilisation": useful / steps_x_rows}
 
 
 def run_static(sampler, state, prompts, params, budgets, per_call: int):
@@ -142,10 +145,8 @@ def run_rollout(preset: str = "small") -> dict:
             est, sec = engine.last_stats, engine.last_stats["total_s"]
         secs[side].append(sec)
     useful = int(budgets.sum())
-    static = _side(2 * int(s_lengths.sum()), sum(secs["static"]), 2 * s_cost)
-    eng = _side(2 * int(out.lengths.sum()), sum(secs["engine"]),
-                2 * est["decode_steps"] * p.slots)
-    static["runs_s"], eng["runs_s"] = secs["static"], secs["engine"]
+    static = _side(int(s_lengths.sum()), secs["static"], s_cost)
+    eng = _side(int(out.lengths.sum()), secs["engine"], est["decode_steps"] * p.slots)
     eng.update({k: est[k] for k in ("chunks", "inserts", "cache_length", "first_chunk_s")})
     return {"preset": preset, "model": p.model, "prompts": p.prompts, "n": p.n,
             "prompt_len": p.prompt_len, "max_new_tokens": p.max_new_tokens, "slots": p.slots,
