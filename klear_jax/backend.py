@@ -49,10 +49,10 @@ def cpu_kernels() -> bool:
 
 
 # Key block of the slot-cache decode loop (``models/decode_attention.py``): one loop trip
-# reads a [slots, K, hd, block] slab. TPU / GPU: 512 (a multiple of the 128 TPU lanes; a
-# trip's fixed cost is amortised over more keys). CPU: 128 (measured in
-# benchmarks/engine_cache_layout.py: per-trip overhead is small, finer blocks read less
-# past each slot's fill).
+# gathers a [slots, K, hd, block] slab. CPU: 128, measured (benchmarks/engine_cache_layout.py,
+# docs/engine.md: at 2048 / 8192 cache entries 128 beat 64, whose strided gathers cost ~2x,
+# and 256 / 512, which read further past each slot's fill). TPU / GPU: 512, not measured
+# (a multiple of the 128 TPU lanes; amortises a trip's fixed cost over more keys).
 DECODE_BLOCK = {"cpu": 128, "gpu": 512, "tpu": 512}
 
 
