@@ -40,12 +40,12 @@ def get_config(arg=None):
     c.init = dict(source="orbax", path="", step=-1)  # the SFT run's checkpoints
     c.model.update(C.MODEL_PRESETS["qwen3_8b"])
     c.data.update(split="train", shuffle=True, num_epochs=0)
-    # One prompt per batch shard per sampler call (the sampler pads prompts to a multiple of
-    # data x fsdp): 8 responses x 36.8K tokens x 147 KB/token (bf16 KV) = 43 GB per shard,
-    # split over `tensor` chips by kv heads.
+    # 8 decode slots per batch shard (the rollout engine refills them as responses finish):
+    # 8 x 36.8K tokens x 147 KB/token (bf16 KV) = 43 GB per shard, split over `tensor` chips
+    # by kv heads.
     c.rollout.update(prompts_per_step=256, group_size=8, temperature=1.0, top_p=1.0, top_k=0,
                      repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
-                     sample_chunk_prompts=shards)
+                     decode_slots=8 * shards, decode_chunk=64)
     # 16 prompts x 8 = 128 rows per mini-batch; micro-batches of one row per batch shard.
     c.train.update(total_steps=a.steps, batch_prompts=128, num_minibatches=8,
                    num_microbatches=128 // shards, length_bucket=4096, max_consecutive_skips=5,

@@ -21,7 +21,7 @@ def get_config(arg=None):
     c.model.update(C.MODEL_PRESETS["tiny"], vocab_size=a.vocab)
     c.data.update(num_epochs=0)
     c.rollout.update(prompts_per_step=8, group_size=8, temperature=1.0, top_p=1.0,
-                     max_prompt_len=64, max_new_tokens=32, sample_chunk_prompts=0)
+                     max_prompt_len=64, max_new_tokens=32, decode_slots=32, decode_chunk=8)
     c.train.update(total_steps=a.steps, batch_prompts=4, num_minibatches=2,
                    num_microbatches=1, length_bucket=32, max_consecutive_skips=3, log_every=1)
     c.loss.update(kind="gppo", eps_low=0.2, eps_high=0.28, dual_clip=10.0, sft_alpha=0.1,

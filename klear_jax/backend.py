@@ -9,6 +9,8 @@ else JAX's default backend.
   the fused GPU kernel on GPU, the XLA path on CPU.
 * ``pallas_interpret()``: Pallas kernels run in interpret mode on CPU (tests, the demo).
 * ``compiler_options(mesh)``: XLA options for training-shaped programs.
+* ``decode_block()``: key-block size of the rollout engine's decode attention (a slot
+  cache's length is a multiple of it).
 * ``cpu_kernels()``: the CPU-tuned matmul gradient and attention forms of
   ``klear_jax.models.cpu_kernels`` are used (CPU only: they exist for the CPU tests, the
   demo and the CPU benchmark; TPU and GPU get XLA's own einsums).
@@ -44,6 +46,18 @@ def target_platform() -> str:
 
 def cpu_kernels() -> bool:
     return target_platform() == "cpu"
+
+
+# Key block of the slot-cache decode loop (``models/decode_attention.py``): one loop trip
+# gathers a [slots, K, hd, block] slab. CPU: 128, measured (benchmarks/engine_cache_layout.py,
+# docs/engine.md: at 2048 / 8192 cache entries 128 beat 64, whose strided gathers cost ~2x,
+# and 256 / 512, which read further past each slot's fill). TPU / GPU: 512, not measured
+# (a multiple of the 128 TPU lanes; amortises a trip's fixed cost over more keys).
+DECODE_BLOCK = {"cpu": 128, "gpu": 512, "tpu": 512}
+
+
+def decode_block() -> int:
+    return DECODE_BLOCK.get(target_platform(), 512)
 
 
 def pallas_interpret() -> bool:

@@ -1,6 +1,6 @@
 """Batched autoregressive sampling with a KV cache, on the training mesh and parameters.
 
-Usage (the RL loop and the eval command call exactly this)::
+Usage::
 
     from klear_jax.sampler import Sampler, SamplingParams, SampleOutput
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
@@ -8,7 +8,10 @@ Usage (the RL loop and the eval command call exactly this)::
     sampler = Sampler(graphdef, mesh=None, pad_id=0, max_prompt_len=512, cache_dtype=None)
     out = sampler.generate(state, prompts, params, seed)      # prompts: list[list[int]]
     texts = sampler.decode_text(out, tokenizer, stop_strings=("</answer>",))
-    out = sampler.apply_stop_strings(out, tokenizer, ("</answer>",))  # token-level cut
+
+The rollout engine (``klear_jax.engine.Engine``: refilled decode slots, stop strings while
+decoding) draws the same samples and is what the RL loop and eval run; this static sampler
+stays as its reference (tests, the ``rollout`` benchmark's baseline) and for the AOT report.
 
 ``state`` is the trainer's own parameter State (``graphdef, state = nnx.split(model)``); it is
 passed into the jitted functions as an argument, so nothing is copied and the parameter
@@ -35,7 +38,7 @@ SampleOutput (numpy; N = len(prompts) * n, row i*n + j is sample j of prompt i):
     prompt_index  int32 [N]     which prompt each row answers
     prompt_tokens int32 [N, P]  the prompt, left-padded with pad_id to the bucket P
     prompt_lengths int32 [N]
-    stop_string_hit bool [N]    set by ``apply_stop_strings``
+    stop_string_hit bool [N]    ended at a ``SamplingParams.stop_strings`` match (Engine only)
 
 Randomness: each row's key is fold_in(key(seed), crc32(prompt), occurrence, sample j), and
 each step folds in the step index, so a row's samples depend on the seed, its prompt and j,
@@ -72,9 +75,15 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
+    stop_strings: tuple[str, ...] = ()  # host-side, by the Engine (which needs a tokenizer)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop_strings, str) or not all(
+                isinstance(x, str) and x for x in self.stop_strings):
+            raise ValueError(f"SamplingParams.stop_strings must be a sequence of non-empty "
+                             f"strings, got {self.stop_strings!r}")
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         checks = [
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
@@ -178,15 +187,9 @@ class Sampler:
     # ----------------------------------------------------------------- traced functions
     def _sample(self, st: _Static, raw, presence, keys, temperature, top_p, penalty):
         """raw float32 [B, V] -> (tokens int32 [B], logprobs float32 [B])."""
-        logits = raw
-        if st.use_penalty:
-            logits = su.apply_repetition_penalty(logits, presence, penalty)
-        t = jnp.float32(1.0) if st.greedy else temperature
-        if not st.greedy:
-            logits = logits / t
-        tok = su.choose_tokens(logits, keys, greedy=st.greedy, top_k=st.top_k,
-                               use_top_p=st.use_top_p, top_p=top_p)
-        return tok, su.sampled_logprob(raw, tok, t)
+        return su.sample_step(raw, presence, keys, temperature, top_p, penalty,
+                              greedy=st.greedy, top_k=st.top_k, use_top_p=st.use_top_p,
+                              use_penalty=st.use_penalty)
 
     def _prefill(self, st: _Static, state, ids, seg, valid, phash, sid, seed, temperature,
                  top_p, penalty, stop_ids):
@@ -225,11 +228,14 @@ class Sampler:
                 "last": tok, "presence": presence}
 
     def _decode(self, st: _Static, state, carry, phash, sid, seed, temperature, top_p, penalty,
-                stop_ids):
+                stop_ids, budget):
         model = nnx.merge(self.graphdef, state)
         layers = model.layer_states()  # per-layer weights, sliced once outside the loop
         M = st.max_new_tokens
         keys = su.row_keys(seed, phash, sid)
+        # budget int32 [B]: a row ends after budget[row] tokens (<= M) as it would at M
+        carry = {**carry, "done": carry["done"] | (budget <= 1),
+                 "lengths": jnp.minimum(carry["lengths"], budget)}
 
         def cond(c):
             return (c["step"] < M) & ~jnp.all(c["done"])
@@ -250,7 +256,8 @@ class Sampler:
             return {"step": i + 1, "cache": cache,
                     "tokens": c["tokens"].at[:, i].set(jnp.where(live, tok, self.pad_id)),
                     "logprobs": c["logprobs"].at[:, i].set(jnp.where(live, lp, 0.0)),
-                    "done": c["done"] | stop, "lengths": jnp.where(stop, i + 1, c["lengths"]),
+                    "done": c["done"] | stop | (i + 1 >= budget),
+                    "lengths": jnp.where(stop, i + 1, c["lengths"]),
                     "last": tok, "presence": presence}
 
         # The whole final carry is returned (the caller keeps what it needs) so that every
@@ -267,16 +274,20 @@ class Sampler:
 
     # ----------------------------------------------------------------- public API
     def generate(self, state, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 seed: int) -> SampleOutput:
-        """Samples ``params.n`` responses per prompt. See the module docstring."""
+                 seed: int, budgets=None) -> SampleOutput:
+        """Samples ``params.n`` responses per prompt. See the module docstring. ``budgets``:
+        optional int [len(prompts) * n], a per-sample cap on new tokens (<= max_new_tokens;
+        reaching it ends the sample like max_new_tokens, truncated): the rollout
+        benchmark's stop schedule."""
         t0 = time.perf_counter()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Sampler.generate: params must be SamplingParams, got {type(params)}")
         cfg = nnx.merge(self.graphdef, state).config
         prompts = su.validate_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
-        for t in params.stop_token_ids:
-            if not 0 <= t < cfg.vocab_size:
-                raise ValueError(f"SamplingParams.stop_token_ids: {t} outside [0, {cfg.vocab_size})")
+        su.check_stop_ids(params.stop_token_ids, cfg.vocab_size)
+        if params.stop_strings:
+            raise ValueError("Sampler.generate: stop_strings are applied while decoding by "
+                             "klear_jax.engine.Engine, not by the static sampler")
         st = _Static(max_new_tokens=params.max_new_tokens, n=params.n, greedy=params.greedy,
                      top_k=0 if params.greedy else params.top_k,
                      use_top_p=not params.greedy and params.top_p < 1.0,
@@ -299,6 +310,9 @@ class Sampler:
                     temperature=jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
                     top_p=jnp.float32(params.top_p), penalty=jnp.float32(params.repetition_penalty),
                     stop_ids=jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
+        budget = np.full(Bp * n, params.max_new_tokens, np.int32)
+        if budgets is not None:
+            budget[:npr * n] = su.check_budgets(budgets, npr * n, params.max_new_tokens)
         prefill, decode = self._functions(st)
         self.compiled_shapes.add((st, Bp * n, P))
         ctx = shd.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -308,14 +322,14 @@ class Sampler:
             carry = prefill(state, *args_p, *args_k, *scal.values())
             jax.block_until_ready(carry["tokens"])
             t1 = time.perf_counter()
-            final = decode(state, carry, *args_k, *scal.values())
+            final = decode(state, carry, *args_k, *scal.values(), self._put(budget, row))
             del carry
-        tokens, logprobs, lengths, done = (final[k] for k in ("tokens", "logprobs", "lengths", "done"))
+        tokens, logprobs, lengths = (final[k] for k in ("tokens", "logprobs", "lengths"))
         self.last_decode_steps = int(final["step"])  # < max_new_tokens after an early exit
         del final
         N = npr * n
         tokens, logprobs, lengths = (shd.to_host(x)[:N] for x in (tokens, logprobs, lengths))
-        stopped = shd.to_host(done)[:N]  # valid rows are done only via a stop token
+        stopped = su.ends_with_stop(tokens, lengths, params.stop_token_ids)
         t2 = time.perf_counter()
         # Wall times of the last call (compilation included on a shape's first call):
         # ttft_s = host prep + prefill + first token; decode_s = the while_loop + host copy.
@@ -333,20 +347,3 @@ class Sampler:
                     skip_special_tokens: bool = True) -> list[str]:
         """Response strings (cut after the earliest stop string, which is kept)."""
         return su.decode_text(out, tokenizer, stop_strings, skip_special_tokens)
-
-    def apply_stop_strings(self, out: SampleOutput, tokenizer,
-                           stop_strings: Sequence[str]) -> SampleOutput:
-        """Cuts each response after the first token whose decoded prefix contains a stop
-        string: tokens after it become pad_id, logprobs 0, lengths shrink, truncated is
-        cleared and stop_string_hit set for those rows. Returns a new SampleOutput."""
-        cut = su.stop_string_lengths(out, tokenizer, stop_strings) if stop_strings else \
-            np.full(out.tokens.shape[0], -1, np.int32)
-        hit = cut >= 0
-        lengths = np.where(hit, cut, out.lengths).astype(np.int32)
-        keep = np.arange(out.tokens.shape[1])[None, :] < lengths[:, None]
-        return dataclasses.replace(
-            out, tokens=np.where(keep, out.tokens, self.pad_id).astype(np.int32),
-            logprobs=np.where(keep, out.logprobs, 0.0).astype(np.float32), lengths=lengths,
-            truncated=out.truncated & ~hit,
-            stop_string_hit=hit | (out.stop_string_hit if out.stop_string_hit is not None
-                                   else False))

@@ -64,6 +64,23 @@ def choose_tokens(logits, keys, *, greedy: bool, top_k: int, use_top_p: bool, to
     return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+def sample_step(raw, presence, keys, temperature, top_p, penalty, *, greedy: bool, top_k: int,
+                use_top_p: bool, use_penalty: bool):
+    """One sampling step of every row: raw float32 logits [B, V] -> (tokens int32 [B],
+    logprobs float32 [B]). ``presence`` bool [B, V] (tokens seen, for the repetition penalty;
+    None when ``use_penalty`` is off); keys: typed PRNG keys [B] for this step. The log-prob
+    is ``sampled_logprob`` of the raw logits (see the sampler's docstring)."""
+    logits = raw
+    if use_penalty:
+        logits = apply_repetition_penalty(logits, presence, penalty)
+    t = jnp.float32(1.0) if greedy else temperature
+    if not greedy:
+        logits = logits / t
+    tok = choose_tokens(logits, keys, greedy=greedy, top_k=top_k, use_top_p=use_top_p,
+                        top_p=top_p)
+    return tok, sampled_logprob(raw, tok, t)
+
+
 def row_keys(seed, prompt_hash, sample_id):
     """One PRNG key per row from (seed, hash of the row's prompt, sample id): independent of
     the row's position in the batch. seed int scalar; prompt_hash, sample_id int32 [B]."""
@@ -73,7 +90,16 @@ def row_keys(seed, prompt_hash, sample_id):
 
 
 def step_keys(keys, step):
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+    """keys [B] folded with ``step``: an int scalar (every row at the same step) or int32 [B]
+    (each row at its own step, as in a rollout engine's slots)."""
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape)
+    return jax.vmap(jax.random.fold_in)(keys, step)
+
+
+def check_stop_ids(stop_ids: Sequence[int], vocab_size: int) -> None:
+    for t in stop_ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"SamplingParams.stop_token_ids: {t} outside [0, {vocab_size})")
 
 
 def pad_stop_ids(stop_ids: Sequence[int], multiple: int = 8) -> np.ndarray:
@@ -146,6 +172,22 @@ def validate_prompts(prompts, vocab_size: int, max_prompt_len: int) -> list[list
     return out
 
 
+def check_budgets(budgets, n: int, max_new_tokens: int) -> np.ndarray:
+    """Per-sample token budgets int [n], each in [1, max_new_tokens] -> int32 [n]."""
+    b = np.asarray(budgets)
+    if b.shape != (n,) or not np.issubdtype(b.dtype, np.integer) or (n and (
+            b.min() < 1 or b.max() > max_new_tokens)):
+        raise ValueError(f"budgets must be {n} ints in [1, max_new_tokens={max_new_tokens}], "
+                         f"got shape {b.shape} dtype {b.dtype}")
+    return b.astype(np.int32)
+
+
+def ends_with_stop(tokens: np.ndarray, lengths: np.ndarray, stop_ids: Sequence[int]) -> np.ndarray:
+    """bool [N]: row i's last response token (tokens[i, lengths[i] - 1]) is a stop token."""
+    last = tokens[np.arange(tokens.shape[0]), np.maximum(lengths, 1) - 1]
+    return np.isin(last, np.asarray(stop_ids, np.int64)) & (lengths > 0)
+
+
 def response_ids(out, i: int) -> list[int]:
     """Row i's response tokens up to and including its stop token."""
     return [int(t) for t in out.tokens[i, :out.lengths[i]]]
@@ -170,19 +212,25 @@ def decode_text(out, tokenizer, stop_strings: Sequence[str] = (),
     return texts
 
 
-def stop_string_lengths(out, tokenizer, stop_strings: Sequence[str]) -> np.ndarray:
-    """Per row, the fewest response tokens whose decoded text contains a stop string (-1 when
-    none does). Binary search over prefixes: containment is monotone in the prefix."""
-    res = np.full(out.tokens.shape[0], -1, np.int32)
-    for i in range(out.tokens.shape[0]):
-        ids = response_ids(out, i)
-        def hit(k):
-            return _cut_at_stop(tokenizer.decode(ids[:k]), stop_strings)[1]
-        if not ids or not hit(len(ids)):
-            continue
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
-        res[i] = lo
-    return res
+def stop_string_cut(tokenizer, ids: Sequence[int], stop_strings: Sequence[str],
+                    checked: int = 0) -> int:
+    """The fewest tokens of ``ids`` whose decoded text contains a stop string, or 0 when
+    ``ids`` has none. The first ``checked`` tokens are known to hold none: only a tail window
+    covering the new tokens and the longest stop string (in UTF-8 bytes, the most tokens it
+    can span) is decoded, and on a hit the cut is found by binary search over prefixes
+    (containment is monotone in the prefix). Cost per call: one decode of the window."""
+    ids = [int(t) for t in ids]
+    span = max(len(s.encode()) for s in stop_strings)
+    lo = max(0, checked - span)
+    if not ids or not _cut_at_stop(tokenizer.decode(ids[lo:]), stop_strings)[1]:
+        return 0
+
+    def hit(k):
+        return _cut_at_stop(tokenizer.decode(ids[:k]), stop_strings)[1]
+    if not hit(len(ids)):  # the window's text differed from the full text's (byte pieces)
+        return 0
+    lo, hi = max(1, checked), len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+    return lo

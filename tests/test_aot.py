@@ -71,6 +71,15 @@ def test_sampler_decode_compiles_for_v5p():
     assert fn["memory"]["alias_bytes"] > 0  # the carry (KV cache) is donated
 
 
+def test_engine_steps_compile_for_v5p():
+    rep = aot.run("configs/gppo_tiny.py", TOPO, ("engine_insert", "engine_decode"),
+                  ["model.max_position_embeddings=1024", "rollout.max_prompt_len=64",
+                   "rollout.max_new_tokens=64"])
+    for fn in rep["functions"]:
+        _check_memory(fn)
+        assert fn["memory"]["alias_bytes"] > 0  # the carry (slot cache) is donated
+
+
 def test_splash_compiles_as_tpu_kernel():
     """The splash path lowers to a Mosaic custom call, not interpret-mode HLO."""
     import jax

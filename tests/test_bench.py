@@ -103,7 +103,7 @@ def test_reference_generate_numbers_come_from_their_own_median_run():
 def test_rounds_keep_every_run(tmp_path, monkeypatch):
     calls = []
 
-    def fake_spawn(name, quick, threads, timeout, preload):
+    def fake_spawn(name, quick, threads, timeout, preload, **_):
         calls.append(name)
         n = len(calls)
         return ({"tokens_per_s": 100.0 + n, "mfu": n / 10, "batch": 8, "seq_len": 512,
@@ -184,6 +184,24 @@ def test_quick_sample(tmp_path):
     runs = s["decode_step_runs_s"]  # interleaved calls, 2 per context at --quick
     assert set(runs) == {"8", "32"} and all(len(v) == 2 and all(map(_pos, v)) for v in runs.values())
     assert s["decode_step_s"]["8"] == pytest.approx(statistics.median(runs["8"]))
+
+
+def test_quick_rollout(tmp_path):
+    """Static vs engine on the imposed long-tailed lengths: same samples, both sides timed."""
+    ro = _run(tmp_path, "rollout")["rollout"]
+    assert ro["preset"] == "quick" and ro["tokens_equal"]
+    assert abs(ro["lengths"]["mean_over_max"] - 0.3) < 0.05
+    for side in ("static", "engine"):
+        assert ro[side]["useful_tokens"] == ro["lengths"]["useful"]
+        assert _pos(ro[side]["useful_tokens_per_s"]) and 0 < ro[side]["slot_utilisation"] <= 1
+    assert _pos(ro["engine_vs_static"])
+
+
+def test_lognormal_budgets():
+    from klear_jax.bench.rollout import lognormal_budgets
+    b = lognormal_budgets(4096, 1000, 0.3)
+    assert b.min() >= 1 and b.max() == 1000 and abs(b.mean() / 1000 - 0.3) < 0.005
+    assert np.median(b) < b.mean()  # long right tail
 
 
 @pytest.mark.slow

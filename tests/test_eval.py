@@ -128,6 +128,13 @@ def test_config_validation_names_the_key():
     c = cu.apply_overrides(c, ["benchmarks.math.path=m.jsonl", "settings.t0_6.top_p=1.5"])
     with pytest.raises(cu.ConfigError, match="settings.t0_6.top_p"):
         ec.validate_eval_config(c, 8)
+    c = cu.apply_overrides(c, ["settings.t0_6.top_p=0.9", 'settings.t0_6.stop_strings=[""]'])
+    with pytest.raises(cu.ConfigError, match="settings.t0_6.stop_strings"):
+        ec.validate_eval_config(c, 8)
+    c = cu.apply_overrides(c, ['settings.t0_6.stop_strings=["</answer>"]'])
+    ec.validate_eval_config(c, 8)
+    s = ev.Setting(**[x for x in ec.settings_from_config(c) if x["name"] == "t0_6"][0])
+    assert s.sampling_params(2).stop_strings == ("</answer>",)
     p = cu.load_config("configs/eval_qwen3_8b.py")
     p = cu.apply_overrides(p, ["checkpoint=/x", "benchmarks.aime24.path=a.jsonl"])
     ec.validate_eval_config(p, 64)

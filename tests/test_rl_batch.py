@@ -185,7 +185,7 @@ def test_rl_config_validation_names_keys(tmp_path):
                           ("rollout.group_size=1", "rollout.group_size"),
                           ("loss.kind=ppo2", "loss.kind"),
                           ("loss.dual_clip=0.5", "loss.dual_clip"),
-                          ("rollout.sample_chunk_prompts=3", "rollout.sample_chunk_prompts"),
+                          ("rollout.decode_chunk=0", "rollout.decode_chunk"),
                           ("reward.code.mode=bogus", "reward.code"),
                           ("rollout.max_new_tokens=100000", "rollout.max_new_tokens")]:
         bad = cu.apply_overrides(cu.load_config("configs/gppo_tiny.py"),

@@ -5,7 +5,7 @@ import pytest
 from klear_jax import config as cu
 from klear_jax.rewards.scorers import Scorers
 from klear_jax.rl import metrics as rl
-from klear_jax.rl.loop import score_responses
+from klear_jax.rl.rollout import GroupScoring
 
 
 def test_scorers_mixed_math_and_code_exact():
@@ -22,11 +22,17 @@ def test_scorers_mixed_math_and_code_exact():
              "no think at all"]
     scorers = Scorers(cu.math_reward_config(cfg), cu.code_reward_config(cfg))
     try:
-        rewards, correct = score_responses(scorers, records, texts, G=2)
+        scoring = GroupScoring(scorers, records, 2, tokenizer=None)
+        scoring.submit([5, 0, 3], [texts[i] for i in (5, 0, 3)])  # any order, any batches
+        scoring.submit([1, 2, 4], [texts[i] for i in (1, 2, 4)])
+        rewards, correct, adv = scoring.result()
     finally:
         scorers.close()
     np.testing.assert_allclose(rewards, [[1.0, -1.0], [1.0, -1.0], [0.5, -2.0]])
     np.testing.assert_array_equal(correct, [[True, False], [True, False], [False, False]])
+    # GRPO per group: (r - mean) / (unbiased std + 1e-6)
+    np.testing.assert_allclose(adv, [[0.7071, -0.7071]] * 3, atol=1e-4)
+    assert scoring.groups_done == 3
 
 
 def test_rollout_metrics_exact():

@@ -60,7 +60,7 @@ def _config(root, tok_dir, workdir, steps):
         f"workdir={workdir}", f"data.dir={root / 'tfds'}", "data.name=tiny_rl_math",
         f"data.tokenizer={tok_dir}", f"model.vocab_size={-(-n_vocab // 64) * 64}",
         f"train.total_steps={steps}", "rollout.max_new_tokens=24", "train.length_bucket=0",
-        "rollout.sample_chunk_prompts=4"])  # one compiled shape
+        "rollout.decode_slots=32"])
 
 
 def test_rl_end_to_end_and_resume(rl_setup, tmp_path, compile_cache):
@@ -133,7 +133,7 @@ def test_rl_official_semantics_step(rl_setup, tmp_path):
         f"workdir={tmp_path / 'run'}", f"data.dir={root / 'tfds'}", "data.name=tiny_rl_math",
         f"data.tokenizer={tok_dir}", f"model.vocab_size={-(-n_vocab // 64) * 64}",
         "train.total_steps=3", "rollout.max_new_tokens=24", "train.length_bucket=0",
-        "rollout.sample_chunk_prompts=4", "loss.filter_by=reward"])
+        "rollout.decode_slots=32", "loss.filter_by=reward"])
     assert rl.run(cfg)["step"] == 3
     rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
     per_mb = cfg.train.batch_prompts // cfg.train.num_minibatches

@@ -26,12 +26,13 @@ from klear_jax.flops import CHIPS, analytical_flops, roofline
 from klear_jax.models import ModelConfig
 from klear_jax.rl.step import batch_shapes as rl_batch_shapes
 from klear_jax.rl.step import build_rl_step, rl_optimizer
-from klear_jax.sampler import Sampler, _Static
+from klear_jax.engine import Engine
+from klear_jax.sampler import Sampler, SamplingParams, _Static
 from klear_jax.sft.step import batch_shapes as sft_batch_shapes
 from klear_jax.sft.step import build_sft_step
 
 GiB = 2 ** 30
-WHAT = ("sft_step", "rl_step", "prefill", "decode")
+WHAT = ("sft_step", "rl_step", "prefill", "decode", "engine_insert", "engine_decode")
 
 
 # ------------------------------------------------------------------------------ topology
@@ -142,9 +143,11 @@ def compile_one(name: str, lowered_fn, topo: Topology, n_devices: int, flops: di
 
 # ------------------------------------------------------------------------------ the functions
 def _rollout_shapes(cfg):
+    """(prompts per static-sampler call, prompt length, new tokens, group size): the static
+    sampler holds as many rows as the engine has decode slots."""
     ro = cfg.rollout
-    chunk = ro.sample_chunk_prompts or ro.prompts_per_step
-    return chunk, ro.max_prompt_len, ro.max_new_tokens, ro.group_size
+    slots = ro.decode_slots or ro.prompts_per_step * ro.group_size
+    return max(1, slots // ro.group_size), ro.max_prompt_len, ro.max_new_tokens, ro.group_size
 
 
 def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
@@ -184,6 +187,48 @@ def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
 
     if "prefill" in what or "decode" in what:
         jobs.update(_sampler_jobs(cfg, mcfg, graphdef, params, mesh, what))
+    if "engine_insert" in what or "engine_decode" in what:
+        jobs.update(_engine_jobs(cfg, mcfg, graphdef, params, mesh, what))
+    return jobs
+
+
+def _engine_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
+    """The rollout engine's two steps at the config's shapes: an insert of ``insert_rows``
+    distinct prompts of max_prompt_len tokens (the largest variant) into the slot cache, and
+    one decode chunk over every slot (carry donated in both)."""
+    ro = cfg.rollout
+    slots = ro.decode_slots or ro.prompts_per_step * ro.group_size
+    eng = Engine(graphdef, mesh=mesh, max_prompt_len=ro.max_prompt_len, slots=slots,
+                 chunk=ro.decode_chunk)
+    sp = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                        repetition_penalty=ro.repetition_penalty,
+                        max_new_tokens=ro.max_new_tokens, n=ro.group_size)
+    state = nnx.State(params)
+    with shd.use_mesh(mesh):
+        _, _, Pl, S, _, (init, insert, decode) = eng._setup(state, sp, ro.max_prompt_len)
+        shapes = jax.eval_shape(init)
+    B, R = eng.slots, eng.insert_rows
+    carry = jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh), shapes,
+                         eng._carry_shardings(shapes))
+    rep = NamedSharding(mesh, P())
+    i32 = lambda *shape: sds(shape, jnp.int32, rep)  # noqa: E731
+    scal = (sds((), jnp.uint32, rep), sds((), jnp.float32, rep), sds((), jnp.float32, rep),
+            sds((), jnp.float32, rep), i32(8))
+    ins = (i32(R, Pl), i32(R, Pl), i32(R), i32(R), i32(R), i32(R), i32(R), i32(R))
+    keep = sds((B,), jnp.bool_, shd.named_sharding(mesh, ("act_batch",), (B,)))
+
+    def lower(fn, *args):
+        def go():
+            with shd.use_mesh(mesh):
+                return fn.lower(state, carry, *args, *scal)
+        return go
+    jobs = {}
+    if "engine_insert" in what:
+        jobs["engine_insert"] = (lower(insert, *ins), analytical_flops(
+            mcfg, "prefill", rows=R, seq=Pl, cache=Pl))
+    if "engine_decode" in what:
+        jobs["engine_decode"] = (lower(decode, keep), analytical_flops(
+            mcfg, "decode", rows=B, seq=ro.decode_chunk, cache=S))
     return jobs
 
 
@@ -226,7 +271,7 @@ def _sampler_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
         out_sh = compiled_prefill().output_shardings
         carry = jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh), shapes, out_sh)
         with shd.use_mesh(mesh):
-            return decode.lower(state, carry, *k_args, *scal)
+            return decode.lower(state, carry, *k_args, *scal, sds((B,), jnp.int32, row(B)))
 
     jobs = {}
     if "prefill" in what:
@@ -248,7 +293,8 @@ def run(config: str, topology: str, what: tuple[str, ...] | None = None,
     cfg = C.load_config(config)
     C.apply_overrides(cfg, overrides)
     is_rl = "rollout" in cfg
-    what = tuple(what or (("rl_step", "prefill", "decode") if is_rl else ("sft_step",)))
+    what = tuple(what or (("rl_step", "engine_insert", "engine_decode") if is_rl
+                          else ("sft_step",)))
     bad = set(what) - set(WHAT)
     if bad:
         raise ValueError(f"--what: unknown {sorted(bad)}; allowed {WHAT}")
@@ -274,11 +320,11 @@ def format_report(rep: dict) -> str:
     g = lambda b: f"{b / div:7.2f}"  # noqa: E731
     lines = [f"{rep['config']} on {rep['topology']} ({rep['topology_name']}, {rep['devices']} x "
              f"{rep['device_kind']}), mesh {rep['mesh']}",
-             f"{'function':9s} {'args':>7s} {'out':>7s} {'alias':>7s} {'temp':>7s} "
+             f"{'function':13s} {'args':>7s} {'out':>7s} {'alias':>7s} {'temp':>7s} "
              f"{'total':>7s} {'HBM':>6s}  fits  compile_s  model_TFLOP  xla_TFLOP   est_s    MFU"]
     for f in rep["functions"]:
         m, c, fl, r = f["memory"], f["cost"], f["flops"], f["roofline"]
-        lines.append(f"{f['name']:9s} {g(m['argument_bytes'])} {g(m['output_bytes'])} "
+        lines.append(f"{f['name']:13s} {g(m['argument_bytes'])} {g(m['output_bytes'])} "
                      f"{g(m['alias_bytes'])} {g(m['temp_bytes'])} {g(m['total_bytes'])} "
                      f"{m['hbm_bytes'] / div:6.0f}  {'yes ' if m['fits'] else 'NO  '} "
                      f"{f['compile_s']:9.1f}  {fl['model_flops'] / 1e12:11.1f}  "

@@ -13,6 +13,10 @@ Workloads (each in its own fresh subprocess, same thread settings), default mode
     scale      train tokens/s at 512 / 2048 / 8192 tokens per row (B = 4096 // T rows, at
                least 1, remat "full" so the 8192 row fits), compile time at 2 / 8 / 32 layers.
     reference  transformers' PyTorch Qwen3, same shape and batch (``bench.reference``).
+    rollout    (on request: ``--workloads rollout``) static sampler vs rollout engine on a
+               long-tailed stop schedule (lognormal lengths, mean / max 0.3): useful tokens/s
+               and slot utilisation of each (``bench.rollout``); ``--preset gpu
+               --platform gpu`` runs it at Qwen3-1.7B shape on one GPU.
 
 The workloads live in ``bench.workloads`` (the torch side in ``bench.reference``);
 ``bench.driver`` runs each in a fresh process, computes the ratios, checks the targets and

@@ -18,16 +18,21 @@ import jax
 from klear_jax import logs
 from klear_jax.bench import gpu
 from klear_jax.bench.measure import round_orders
+from klear_jax.bench.rollout import rollout_lines, run_rollout
 from klear_jax.bench.workloads import (run_reference_workload, run_sample, run_scale,
                                        run_train, sizes)
 
-WORKLOADS = ("train", "sample", "reference", "scale")
-# --preset: the CPU bench (bench-small) or an accelerator preset (klear_jax.bench.gpu).
-PRESETS = {"small": WORKLOADS, "gpu-1.7b": gpu.WORKLOADS}
+WORKLOADS = ("train", "sample", "reference", "scale", "rollout")
+# --preset: the CPU bench (bench-small) or an accelerator preset (klear_jax.bench.gpu); the
+# rollout workload (static sampler vs engine, klear_jax.bench.rollout) runs in both, sized by
+# ROLLOUT_SIZES.
+PRESETS = {"small": WORKLOADS, "gpu-1.7b": gpu.WORKLOADS + ("rollout",)}
+ROLLOUT_SIZES = {"small": "small", "gpu-1.7b": "gpu"}
 # The number each workload's repeated runs are ranked by (``--rounds``).
 HEADLINE = {"train": "tokens_per_s", "sample": "tokens_per_s",
             "reference": "train_tokens_per_s", "scale": "compile_ratio",
-            "gpu_train": "wall_s", "gpu_sample": "tokens_per_s", "gpu_reference": "wall_s"}
+            "gpu_train": "wall_s", "gpu_sample": "tokens_per_s", "gpu_reference": "wall_s",
+            "rollout": "engine_vs_static"}
 # Numbers that come from their own median run, with the ones measured with them: the
 # reference's generate (so the sample ratio pairs medians with medians) and the sampler's
 # decode cost ratio (a target of its own, not ranked by generate tokens/s).
@@ -41,6 +46,7 @@ PER_ROUND = {"train": ("mfu",)}
 # CPU regression checks (the numbers users care about come from accelerators: gpu.TARGETS).
 TARGETS = (  # (ratio name or glob, comparison, threshold)
     ("train_vs_reference", ">=", 1.0),
+    ("rollout_engine_vs_static", ">=", 2.0),
     ("sample_vs_reference", ">=", 1.5),
     ("decode_cost_1024_vs_64", "<=", 1.5),
     ("compile_32_vs_2_layers", "<=", 1.5),
@@ -100,11 +106,12 @@ def loaded_allocator() -> str:
         return "system"
 
 
-def run_worker(name: str, quick: bool, threads: int) -> dict:
+def run_worker(name: str, quick: bool, threads: int, preset: str = "small") -> dict:
     fns = {"train": run_train, "sample": run_sample, "scale": run_scale,
            "reference": lambda q: run_reference_workload(q, threads),
            "gpu_train": gpu.run_gpu_train, "gpu_sample": gpu.run_gpu_sample,
-           "gpu_reference": lambda q: gpu.run_gpu_reference(q, threads)}
+           "gpu_reference": lambda q: gpu.run_gpu_reference(q, threads),
+           "rollout": lambda q: run_rollout("quick" if q else ROLLOUT_SIZES[preset])}
     t0 = time.perf_counter()
     out = fns[name](quick)
     out["wall_s"] = time.perf_counter() - t0
@@ -116,12 +123,12 @@ def run_worker(name: str, quick: bool, threads: int) -> dict:
 
 
 def spawn(name: str, quick: bool, threads: int, timeout: float,
-          preload: str | None = None) -> dict:
+          preload: str | None = None, preset: str = "small") -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"{name}.json")
         cmd = [sys.executable, "-m", "klear_jax.bench", "--worker", name, "--worker-out", path,
-               "--threads", str(threads)] + (["--quick"] if quick else [])
-        env = worker_env(threads, preload, accelerator=name.startswith("gpu"))
+               "--threads", str(threads), "--preset", preset] + (["--quick"] if quick else [])
+        env = worker_env(threads, preload, accelerator=preset != "small")
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0 or not os.path.exists(path):
             return {"error": f"workload {name!r} exited with {p.returncode}",
@@ -185,6 +192,8 @@ def ratios(res: dict) -> dict:
         out["decode_cost_1024_vs_64"] = g("sample", "decode_cost_ratio")
     if sc:
         out["compile_32_vs_2_layers"] = sc
+    if g("rollout", "engine_vs_static"):
+        out["rollout_engine_vs_static"] = g("rollout", "engine_vs_static")
     if g("train", "matmul") and g("reference", "matmul"):
         out["jax_vs_torch_matmul_peak"] = (res["train"]["matmul"]["peak_flops"]
                                           / res["reference"]["matmul"]["peak_flops"])
@@ -236,6 +245,7 @@ def table(res: dict) -> str:
         add("MFU vs torch f32 matmul peak", f"{ref['mfu']:.1%} (peak {ref['matmul']['peak_flops']/1e9:.1f} GFLOP/s)")
         add("generate tokens/s", f"{ref['generate_tokens_per_s']:.0f}")
         add("time to first token s", f"{ref['ttft_s']:.3f}")
+    lines += rollout_lines(res.get("rollout") or {})
     for w, values in res.get("rounds", {}).items():
         w, _, key = w.partition(":")
         add(f"{w} {key or HEADLINE[w]} per round",
@@ -270,7 +280,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     logs.setup(a.verbosity)
     if a.worker:
-        res = run_worker(a.worker, a.quick, a.threads)
+        res = run_worker(a.worker, a.quick, a.threads, a.preset)
         with open(a.worker_out, "w") as f:
             json.dump(res, f)
         return res
@@ -294,7 +304,7 @@ def main(argv=None) -> dict:
     for order in round_orders(names, a.rounds):
         for w in order:
             t0 = time.perf_counter()
-            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload))
+            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload, a.preset))
             print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             res[w] = combine_runs(w, runs[w])
             if a.rounds > 1:

@@ -27,6 +27,7 @@ from flax import nnx
 
 from klear_jax.bench import reference
 from klear_jax.bench.measure import bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes
+from klear_jax.bench.rollout import rollout_lines
 from klear_jax.bench.workloads import build_train, memory_stats, rl_batch, time_train
 from klear_jax.flops import param_count, train_flops_per_token
 from klear_jax.models import ModelConfig, create_model
@@ -147,11 +148,14 @@ def ratios(res: dict) -> dict:
         out["sample_vs_reference"] = sm["tokens_per_s"] / ref["generate_tokens_per_s"]
     if "decode_vs_roofline" in sm:
         out["decode_step_vs_roofline"] = sm["decode_vs_roofline"]
+    if (res.get("rollout") or {}).get("engine_vs_static"):
+        out["rollout_engine_vs_static"] = res["rollout"]["engine_vs_static"]
     return out
 
 
 TARGETS = (("train_*_vs_reference", ">=", 1.3), ("train_*_mfu", ">=", 0.45),
-           ("sample_vs_reference", ">=", 5.0), ("decode_step_vs_roofline", "<=", 1.5))
+           ("sample_vs_reference", ">=", 5.0), ("decode_step_vs_roofline", "<=", 1.5),
+           ("rollout_engine_vs_static", ">=", 2.0))
 
 
 def table(res: dict) -> str:
@@ -174,6 +178,7 @@ def table(res: dict) -> str:
             add("PyTorch generate tokens/s", f"{ref['generate_tokens_per_s']:,.0f}")
         add("decode step ms (roofline ms)",
             f"{sm['decode_step_s'] * 1e3:.2f} ({sm['roofline_step_s'] * 1e3:.2f})")
+    lines += rollout_lines(res.get("rollout") or {})
     lines.append("targets")
     for k, v in res.get("targets", {}).items():
         add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")

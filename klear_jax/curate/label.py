@@ -12,8 +12,8 @@ every test it was run on (code; the first `max_tests`). Annotations written into
 Pass rate sources: "field" (a number in the record), "samples" (the record's list of
 responses, e.g. k samples of a reference model, scored with the same checkers: the fraction
 that is correct), "model" (ModelSamples: k responses per problem sampled here from a
-reference checkpoint with klear_jax.sampler, then scored exactly like "samples"). Scoring is
-batched: one batch of records is sampled / scored at a time.
+reference checkpoint with the rollout engine, klear_jax.engine, then scored exactly like
+"samples"). Scoring is batched: one batch of records is sampled / scored at a time.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from klear_jax.data import records as R
 from klear_jax.data.prepare import rl_example
 from klear_jax.data.records import RawRecord, RecordError
 from klear_jax.rewards.scorers import Scorers
+from klear_jax.engine import Engine
 from klear_jax.sampler import Sampler, SamplingParams
 
 
@@ -120,8 +121,9 @@ class ModelSamples:
             params = SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
                                     max_new_tokens=self.max_new_tokens, n=self.k,
                                     stop_token_ids=stop_ids)
-            sampler = Sampler(graphdef, mesh=mesh, pad_id=pad, max_prompt_len=self.max_prompt_len)
-            self._loaded = (tok, sampler, state, params)
+            engine = Engine(graphdef, mesh=mesh, pad_id=pad, max_prompt_len=self.max_prompt_len,
+                            slots=self.batch_prompts * self.k)
+            self._loaded = (tok, engine, state, params)
         return self._loaded
 
     def prompt_ids(self, d: dict, domain: str) -> list[int]:
@@ -131,14 +133,13 @@ class ModelSamples:
 
     def sample(self, prompts: list[list[int]]) -> list[list[str]]:
         """[P] prompts (P <= batch_prompts) -> [P][k] decoded responses."""
-        tok, sampler, state, params = self._load()
-        rows = prompts + [prompts[0]] * (self.batch_prompts - len(prompts))
-        out = sampler.generate(state, rows, params, self.seed + self.calls)
+        tok, engine, state, params = self._load()
+        out = engine.generate(state, prompts, params, self.seed + self.calls)
         self.calls += 1
-        texts: list[list[str]] = [[] for _ in rows]
-        for i, t in zip(out.prompt_index, sampler.decode_text(out, tok)):
+        texts: list[list[str]] = [[] for _ in prompts]
+        for i, t in zip(out.prompt_index, Sampler.decode_text(out, tok)):
             texts[int(i)].append(t)
-        return texts[:len(prompts)]
+        return texts
 
 
 def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str,

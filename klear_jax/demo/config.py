@@ -99,7 +99,7 @@ def rl_config_(size: str, steps: int) -> ml_collections.ConfigDict:
     c.data.update(num_epochs=0, name="demo_rl_math")
     tiny = size == "tiny"
     c.rollout.update(prompts_per_step=8 if tiny else 16, group_size=8, temperature=1.0,
-                     top_p=1.0, max_prompt_len=64, max_new_tokens=48, sample_chunk_prompts=0)
+                     top_p=1.0, max_prompt_len=64, max_new_tokens=48, decode_slots=0)
     c.train.update(total_steps=steps or (2 if tiny else 60), batch_prompts=8 if tiny else 16,
                    num_minibatches=2, num_microbatches=1, length_bucket=0,
                    max_consecutive_skips=5, log_every=1)

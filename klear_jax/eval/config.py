@@ -18,9 +18,10 @@ naming the key.
     model.original_max_position_embeddings int  YaRN's original context (required with a
                                   factor); max_position_embeddings becomes factor x this
     sampling.max_prompt_len int   longest prompt (a longer one is an error, never dropped)
-    sampling.batch_prompts  int   prompts per sampler call (0 = the whole benchmark)
-    sampling.samples_per_call int samples per prompt per call (0 = all k); rows per call
-                                  = batch_prompts x samples_per_call bound the KV cache
+    sampling.batch_prompts  int   with samples_per_call: the rollout engine's decode slots
+    sampling.samples_per_call int = batch_prompts x samples_per_call (0 = the benchmark's
+                                  problems, resp. k): samples decoded at once, each slot a
+                                  KV-cache row (bounds the cache), refilled as samples end
     benchmarks.<name>.path  str   JSONL file ("" = skip this benchmark)
     benchmarks.<name>.kind  str   "math" | "code"
     benchmarks.<name>.num_samples int  k per problem
@@ -28,6 +29,9 @@ naming the key.
     settings.<name>.{temperature, top_p, top_k, repetition_penalty, max_new_tokens}
                                   sampling (temperature 0 = greedy; top_k 0 = off)
     settings.<name>.num_samples int  k for every benchmark (0 = the benchmark's)
+    settings.<name>.stop_strings tuple  a sample ends at the first token whose text contains
+                                  one (kept; while decoding, ``klear_jax.engine``); on the
+                                  command line a JSON list: '["</answer>"]'
     reward.math.*           klear_jax.rewards.MathRewardConfig fields (as in RL)
     reward.code.*           CodeRewardConfig format penalties + sandbox limits (as in RL;
                             the mode is always "soft": accuracy = all tests pass)
@@ -70,10 +74,11 @@ def add_benchmark(c, name: str, kind: str, num_samples: int, path: str = "",
 
 def add_setting(c, name: str, temperature: float, top_p: float = 1.0, top_k: int = 0,
                 repetition_penalty: float = 1.0, max_new_tokens: int = 1024,
-                num_samples: int = 0) -> None:
+                num_samples: int = 0, stop_strings: tuple = ()) -> None:
     c.settings[name] = dict(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                             repetition_penalty=float(repetition_penalty),
-                            max_new_tokens=max_new_tokens, num_samples=num_samples)
+                            max_new_tokens=max_new_tokens, num_samples=num_samples,
+                            stop_strings=tuple(stop_strings))
 
 
 def validate_eval_config(c, num_devices: int | None = None) -> None:
@@ -112,6 +117,9 @@ def validate_eval_config(c, num_devices: int | None = None) -> None:
         C.check_num(c, f"{s}.repetition_penalty", lo=0, open_lo=True)
         C.check_int(c, f"{s}.max_new_tokens", lo=1)
         C.check_int(c, f"{s}.num_samples", lo=0)
+        stops = C.get(c, f"{s}.stop_strings")
+        C.need(isinstance(stops, (list, tuple)) and all(isinstance(x, str) and x for x in stops),
+               f"{s}.stop_strings", f"must be a tuple of non-empty strings, got {stops!r}")
     C.validate_rewards(c, {"math": math_reward_config, "code": code_reward_config})
 
 

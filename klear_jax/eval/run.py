@@ -15,6 +15,9 @@ exactly as the RL data path builds it (``prepare.rl_example``: ``prompt_template
 the problem, then the chat template with the assistant header), so eval and RL agree. A bad
 record raises ``RecordError`` "path:line: problem".
 
+Samples come from the rollout engine (``klear_jax.engine``: batch_prompts x
+samples_per_call decode slots, refilled as samples end; a setting's ``stop_strings`` end a
+sample while decoding); each chunk's finished samples are scored while decoding goes on.
 Scoring is the RL reward (math-verify; the sandboxed code runner in soft mode). A sample is
 *correct* when it earns the full reward (math verifies; code passes every test);
 ``accuracy`` == ``avg@k`` is the fraction of correct samples, ``pass_rate`` the mean soft
@@ -39,7 +42,7 @@ written to ``out_dir/results.json`` with per-sample rows in
 
     {"checkpoint": str, "model": {ModelConfig fields}, "seed": int, "wall_time_s": float,
      "settings": {name: {temperature, top_p, top_k, repetition_penalty, max_new_tokens,
-                         num_samples, greedy}},
+                         num_samples, stop_strings, greedy}},
      "benchmarks": {name: {"kind", "path", "num_problems", "num_samples"}},
      "results": {benchmark: {setting: eval_metrics.summarize(...) + {"kind", "time_s",
                                                                   "tokens_per_s"}}}}
@@ -66,7 +69,8 @@ from klear_jax.eval import config as ec
 from klear_jax.eval import metrics as em
 from klear_jax.rewards import CodeRewardConfig, MathRewardConfig
 from klear_jax.rewards.scorers import KINDS, Scorers
-from klear_jax.sampler import Sampler, SamplingParams
+from klear_jax.engine import Engine
+from klear_jax.sampler import SamplingParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -101,9 +105,11 @@ class Setting:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 1024
     num_samples: int = 0
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_name("Setting", self.name)
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if not isinstance(self.num_samples, int) or self.num_samples < 0:
             raise ValueError(f"Setting {self.name!r}: num_samples must be an int >= 0")
         self.sampling_params(1)  # validates the rest, naming the field
@@ -114,7 +120,7 @@ class Setting:
                                   top_k=int(self.top_k),
                                   repetition_penalty=float(self.repetition_penalty),
                                   max_new_tokens=self.max_new_tokens, stop_token_ids=stop_ids,
-                                  n=n)
+                                  n=n, stop_strings=self.stop_strings)
         except ValueError as e:
             raise ValueError(f"Setting {self.name!r}: {e}") from None
 
@@ -169,35 +175,26 @@ def load_problems(bench: Benchmark, tokenizer, max_prompt_len: int) -> list[Prob
 
 
 # ------------------------------------------------------------------------------ evaluation
-def _sample_and_score(sampler, state, tok, problems, bench, setting, k, stop_ids, seed,
-                      batch_prompts, samples_per_call, scorers):
-    """-> per-sample arrays [P, k] (texts, rewards, correct, pass_rate, lengths, truncated)."""
+def _sample_and_score(engine, state, tok, problems, bench, setting, k, stop_ids, seed,
+                      scorers):
+    """-> per-sample arrays [P, k] (texts, rewards, correct, pass_rate, lengths, truncated).
+    One engine call draws all P x k samples; each chunk's finished samples are scored while
+    the engine decodes on."""
     P = len(problems)
-    chunk = batch_prompts or P
-    per_call = min(samples_per_call or k, k)
     texts = [[""] * k for _ in range(P)]
-    lengths, trunc = np.zeros((P, k), np.int32), np.zeros((P, k), bool)
     pending = []
-    for c0 in range(0, P, chunk):
-        probs = problems[c0:c0 + chunk]
-        prompts = [p.prompt_ids for p in probs]
-        # pad the last chunk with copies (dropped below) so every call has one row count;
-        # copies come after the real prompts, so they do not change the real rows' keys
-        prompts += [prompts[0]] * (min(chunk, P) - len(prompts))
-        for s0 in range(0, k, per_call):
-            n = min(per_call, k - s0)
-            out = sampler.generate(state, prompts, setting.sampling_params(n, stop_ids),
-                                   seed + s0)
-            rows = len(probs) * n
-            resp = sampler.decode_text(out, tok)[:rows]
-            for i, text in enumerate(resp):
-                p, j = c0 + i // n, s0 + i % n
-                texts[p][j] = text
-                lengths[p, j], trunc[p, j] = out.lengths[i], out.truncated[i]
-            idx = [(c0 + i // n, s0 + i % n) for i in range(rows)]
-            refs = [problems[p].tests if bench.kind == "code" else problems[p].answer
-                    for p, _ in idx]
-            pending.append((idx, scorers.submit(bench.kind, resp, refs)))
+
+    def submit(finished):
+        resp = [tok.decode(f.tokens.tolist(), skip_special_tokens=True) for f in finished]
+        idx = [(f.index // k, f.index % k) for f in finished]
+        for (p, j), text in zip(idx, resp):
+            texts[p][j] = text
+        refs = [problems[p].tests if bench.kind == "code" else problems[p].answer
+                for p, _ in idx]
+        pending.append((idx, scorers.submit(bench.kind, resp, refs)))
+
+    out = engine.generate(state, [p.prompt_ids for p in problems],
+                          setting.sampling_params(k, stop_ids), seed, on_finish=submit)
     rewards = np.zeros((P, k), np.float32)
     correct = np.zeros((P, k), bool)
     pass_rate = np.zeros((P, k), np.float32)
@@ -205,7 +202,8 @@ def _sample_and_score(sampler, state, tok, problems, bench, setting, k, stop_ids
         s = done()
         for (p, j), a, b, c in zip(idx, s.rewards, s.correct, s.pass_rate):
             rewards[p, j], correct[p, j], pass_rate[p, j] = a, b, c
-    return texts, rewards, correct, pass_rate, lengths, trunc
+    return (texts, rewards, correct, pass_rate, out.lengths.reshape(P, k),
+            out.truncated.reshape(P, k))
 
 
 def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=None, *,
@@ -234,7 +232,7 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
     policy.check_vocab(tok, mcfg.vocab_size, "model.vocab_size (of the checkpoint)")
     graphdef, state = nnx.split(model)
     pad_id, stop_ids = policy.special_ids(tok, mcfg.vocab_size)
-    sampler = Sampler(graphdef, mesh=mesh, pad_id=pad_id, max_prompt_len=max_prompt_len)
+    engines: dict[int, Engine] = {}  # by slot count (each keeps its compiled functions)
     # Soft code mode always: the pass rate is the reward, so both metrics come from it.
     scorers = Scorers(math_reward or MathRewardConfig(),
                       dataclasses.replace(code_reward or CodeRewardConfig(), mode="soft"))
@@ -247,10 +245,13 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
         for s in settings:
             for b in benchmarks:
                 k = s.num_samples or b.num_samples
+                slots = (batch_prompts or len(problems[b.name])) * min(samples_per_call or k, k)
+                engine = engines.setdefault(slots, Engine(
+                    graphdef, mesh=mesh, pad_id=pad_id, max_prompt_len=max_prompt_len,
+                    slots=slots, tokenizer=tok))
                 t0 = time.perf_counter()
                 texts, rewards, correct, pass_rate, lengths, trunc = _sample_and_score(
-                    sampler, state, tok, problems[b.name], b, s, k, stop_ids, seed,
-                    batch_prompts, samples_per_call, scorers)
+                    engine, state, tok, problems[b.name], b, s, k, stop_ids, seed, scorers)
                 dt = time.perf_counter() - t0
                 m = {"kind": b.kind, **em.summarize(correct, pass_rate, rewards, lengths, trunc),
                      "time_s": dt, "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
@@ -270,7 +271,8 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
         "max_prompt_len": int(max_prompt_len),
         "settings": {s.name: {**{f: getattr(s, f) for f in ("temperature", "top_p", "top_k",
                                                              "repetition_penalty",
-                                                             "max_new_tokens", "num_samples")},
+                                                             "max_new_tokens", "num_samples",
+                                                             "stop_strings")},
                               "greedy": s.sampling_params(1).greedy} for s in settings},
         "benchmarks": {b.name: {"kind": b.kind, "path": b.path, "num_problems": len(problems[b.name]),
                                 "num_samples": b.num_samples} for b in benchmarks},

@@ -2,9 +2,10 @@
 
 from klear_jax.models.config import ModelConfig
 from klear_jax.models.qwen import (CACHE_LOGICAL_AXES, Qwen, cache_shardings, create_model,
-                                   init_cache, param_logical_axes, param_shardings)
+                                   init_cache, init_slot_cache, param_logical_axes,
+                                   param_shardings)
 
-__all__ = ["ModelConfig", "Qwen", "create_model", "init_cache", "param_shardings",
+__all__ = ["ModelConfig", "Qwen", "create_model", "init_cache", "init_slot_cache", "param_shardings",
            "param_logical_axes", "cache_shardings", "CACHE_LOGICAL_AXES", "from_hf", "to_hf"]
 
 

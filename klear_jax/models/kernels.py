@@ -3,8 +3,9 @@
 The model calls ``project``, ``attention`` and ``cache_attention`` from here; this module
 asks ``klear_jax.backend`` which implementation the target platform gets and routes to it:
 XLA's own forms (``attention.py``), the CPU-tuned forms (``cpu_kernels.py``), TPU splash
-attention (``splash.py``) or the fused GPU kernels (``gpu_attention.py``: cuDNN, else Pallas;
-an unsupported case falls back to XLA with a one-line warning naming why).
+attention (``splash.py``), the fused GPU kernels (``gpu_attention.py``: cuDNN, else Pallas;
+an unsupported case falls back to XLA with a one-line warning naming why) or, for a rollout
+engine's slot cache, the ragged blocked decode loop (``decode_attention.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from klear_jax import backend
 from klear_jax.models import attention as A
 from klear_jax.models import cpu_kernels, gpu_attention
+from klear_jax.models.decode_attention import ragged_decode_attention
 
 
 def project(eqn: str, x, w, preferred_element_type=None):
@@ -76,3 +78,10 @@ def cache_attention(q, cache_k, cache_v, q_positions, kv_positions, q_segment_id
     if q.shape[1] == 1 and backend.cpu_kernels():
         return cpu_kernels.decode_attention(q, cache_k, cache_v, *masks)
     return A.head_major_attention(q, cache_k, cache_v, *masks, keys_transposed=True)
+
+
+def slot_attention(q, cache_k, cache_v, lengths):
+    """q [B, 1, H, hd] (one token per slot) over a slot cache k [B, K, hd, S], v [B, K, S, hd],
+    slot b reading its first lengths[b] entries; the work is bounded by the filled entries
+    (``decode_attention.ragged_decode_attention``, key blocks of ``backend.decode_block()``)."""
+    return ragged_decode_attention(q, cache_k, cache_v, lengths, block=backend.decode_block())

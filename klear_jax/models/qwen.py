@@ -35,7 +35,7 @@ from klear_jax import sharding as shd
 from klear_jax.models.attention import positions_from_segment_ids, rope_cos_sin
 from klear_jax.models.config import ModelConfig, remat_policy, rope_frequencies
 from klear_jax.models.kernels import (apply_rope, attention, cache_attention, project, rms_norm,
-                                      swiglu)
+                                      slot_attention, swiglu)
 from klear_jax.models.logprobs import chunked_token_logprobs
 
 _INIT_STD = 0.02
@@ -94,16 +94,8 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl
         self.recompute_probs = cfg.remat_policy == "none"  # else the layer remat recomputes
 
-    def __call__(self, x, cos, sin, q_pos, q_seg, kv):
-        """x [B, T, D] -> ([B, T, D], updated (cache_k, cache_v) or None).
-
-        ``kv`` is None (attend within x) or (cache_k, cache_v, kv_pos, kv_seg, index, fresh):
-        this layer's cache (k [B, K, hd, S], v [B, K, S, hd]); the new k/v are written at slots
-        index:index + T (in place under donation) and attention reads the cache, or, when
-        ``fresh`` (static: the cache was empty, so the slots just written are its only filled
-        ones), attends within x exactly as without a cache: same result, T x T scores
-        instead of T x S, and the model's training kernel (splash on TPU).
-        """
+    def _qkv(self, x, cos, sin):
+        """x [B, T, D] -> q [B, T, H, hd], k, v [B, T, K, hd] (q/k normed and rotated)."""
         q = self.q_proj(x, "btd,dhk->bthk")
         k = self.k_proj(x, "btd,dhk->bthk")
         v = self.v_proj(x, "btd,dhk->bthk")
@@ -113,10 +105,24 @@ class Attention(nnx.Module):
         q = shd.constrain(q, ("act_batch", "act_length", "act_q_heads", "act_head_dim"))
         k = shd.constrain(k, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
         v = shd.constrain(v, ("act_batch", "act_length", "act_kv_heads", "act_head_dim"))
+        return q, k, v
+
+    def __call__(self, x, cos, sin, q_pos, q_seg, kv):
+        """x [B, T, D] -> ([B, T, D], (k, v) [B, T, K, hd] or the updated (cache_k, cache_v)).
+
+        ``kv`` is None (attend within x; the layer's own k / v are returned, for a prefill
+        that inserts them into a slot cache) or (cache_k, cache_v, kv_pos, kv_seg, index,
+        fresh): this layer's cache (k [B, K, hd, S], v [B, K, S, hd]); the new k/v are
+        written at slots index:index + T (in place under donation) and attention reads the
+        cache, or, when ``fresh`` (static: the cache was empty, so the slots just written are
+        its only filled ones), attends within x exactly as without a cache: same result,
+        T x T scores instead of T x S, and the model's training kernel (splash on TPU).
+        """
+        q, k, v = self._qkv(x, cos, sin)
         if kv is None:
             out = attention(q, k, v, q_pos, q_pos, q_seg, q_seg, impl=self.impl,
                             recompute=self.recompute_probs)
-            new_cache = None
+            new_cache = (k, v)
         else:
             ck, cv, kv_pos, kv_seg, index, fresh = kv
             zero = jnp.zeros((), jnp.int32)
@@ -138,6 +144,25 @@ class Attention(nnx.Module):
             new_cache = (ck, cv)
         y = self.o_proj(out, "bthk,hkd->btd")
         return y, new_cache
+
+    def decode_slots(self, x, cos, sin, ck, cv, lengths):
+        """One new token per slot of a slot cache (``init_slot_cache``): x [B, 1, D] at
+        position lengths[b]; its k / v are written at index lengths[b] of the slot (k
+        [B, K, hd, S], v [B, K, S, hd], in place under donation) and it attends to the
+        slot's first lengths[b] + 1 entries (``kernels.slot_attention``: the work is bounded
+        by what is filled, not by S). Returns (y [B, 1, D], (ck, cv))."""
+        q, k, v = self._qkv(x, cos, sin)
+        # One dynamic_update_slice per row (vmapped): in place. The equivalent scatter
+        # (.at[rows, :, :, lengths].set) made XLA TPU copy the whole cache twice per decode
+        # chunk (AOT, Qwen3-8B shapes; docs/aot.md).
+        zero = jnp.zeros((), jnp.int32)
+        ck = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (zero, zero, i)))(
+            ck, k.transpose(0, 2, 3, 1).astype(ck.dtype), lengths)
+        cv = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (zero, i, zero)))(
+            cv, v.swapaxes(1, 2).astype(cv.dtype), lengths)
+        ck, cv = shd.constrain(ck, CACHE_K_AXES), shd.constrain(cv, CACHE_V_AXES)
+        out = slot_attention(q, ck, cv, lengths + 1)
+        return self.o_proj(out, "bthk,hkd->btd"), (ck, cv)
 
 
 class MLP(nnx.Module):
@@ -165,9 +190,15 @@ class DecoderLayers(nnx.Module):
 
     def __call__(self, x, cos, sin, q_pos, q_seg, kv):
         a, new_kv = self.attn(self.input_norm(x), cos, sin, q_pos, q_seg, kv)  # new_kv: cache
-        x = x + a
+        return self._mlp(x + a), new_kv
+
+    def decode_slots(self, x, cos, sin, ck, cv, lengths):
+        a, new_kv = self.attn.decode_slots(self.input_norm(x), cos, sin, ck, cv, lengths)
+        return self._mlp(x + a), new_kv
+
+    def _mlp(self, x):
         x = x + self.mlp(self.post_attn_norm(x))
-        return shd.constrain(x, ("act_batch", "act_length", "act_embed")), new_kv
+        return shd.constrain(x, ("act_batch", "act_length", "act_embed"))
 
 
 class Embed(nnx.Module):
@@ -206,7 +237,7 @@ class Qwen(nnx.Module):
         return tuple(jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers))
 
     def hidden_states(self, input_ids, positions=None, segment_ids=None, cache=None,
-                      layers=None, fresh_cache: bool = False):
+                      layers=None, fresh_cache: bool = False, return_kv: bool = False):
         """(h [B, T, D] after the final norm, new cache or None).
 
         input_ids int32 [B, T]; segment_ids int32 [B, T] (0 = padding; default ones);
@@ -215,6 +246,8 @@ class Qwen(nnx.Module):
         ``layer_states()`` to use with a cache (default: sliced from the stacked parameters).
         ``fresh_cache`` (static): the cache is empty (``init_cache``; prefill), so attention
         runs over this call's T keys instead of the cache's S slots (same result).
+        ``return_kv`` (no cache): the second output is every layer's (k, v), each
+        [L, B, T, K, hd] (k normed and rotated), for a prefill that fills a slot cache.
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -257,16 +290,41 @@ class Qwen(nnx.Module):
 
         def body(h, xs):
             layer = nnx.merge(graphdef, xs)
-            h, _ = layer(h, cos, sin, positions, segment_ids, None)
-            return h, None
+            h, kv = layer(h, cos, sin, positions, segment_ids, None)
+            return h, (kv if return_kv else None)
         if cfg.remat_policy != "none":
             body = jax.checkpoint(body, policy=remat_policy(cfg.remat_policy), prevent_cse=False)
         if cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, state)
+            x, kvs = jax.lax.scan(body, x, state)
         else:  # unrolled: compile time grows with depth (kept for comparison / debugging)
+            outs = []
             for layer_state in self.layer_states():
-                x, _ = body(x, layer_state)
-        return self.final_norm(x), None
+                x, kv = body(x, layer_state)
+                outs.append(kv)
+            kvs = jax.tree.map(lambda *a: jnp.stack(a), *outs) if return_kv else None
+        return self.final_norm(x), kvs
+
+    def decode_slots(self, tokens, cache, layers=None):
+        """Appends one token to every slot of a slot cache (``init_slot_cache``).
+
+        tokens int32 [B] (slot b's token at position cache["lengths"][b]); ``layers``:
+        optional ``layer_states()``. Returns (h [B, 1, D] after the final norm, the cache
+        with the token's k / v written and lengths + 1 for every slot: a caller with idle
+        slots keeps their old lengths, so what was written there stays unread)."""
+        cfg = self.config
+        lengths = cache["lengths"]
+        positions = lengths[:, None]
+        x = jnp.take(self.embed.embedding[...], tokens[:, None], axis=0).astype(cfg.jnp_dtype)
+        x = shd.constrain(x, ("act_batch", "act_length", "act_embed"))
+        inv_freq, scaling = rope_frequencies(cfg)
+        cos, sin = rope_cos_sin(positions, inv_freq, scaling, cfg.jnp_dtype)
+        graphdef, _ = nnx.split(self.layers)
+        layers = self.layer_states() if layers is None else layers
+        ks, vs = list(cache["k"]), list(cache["v"])
+        for i in range(cfg.num_layers):
+            layer = nnx.merge(graphdef, layers[i])
+            x, (ks[i], vs[i]) = layer.decode_slots(x, cos, sin, ks[i], vs[i], lengths)
+        return self.final_norm(x), {"k": tuple(ks), "v": tuple(vs), "lengths": lengths + 1}
 
     def __call__(self, input_ids, positions=None, segment_ids=None):
         """Logits float32 [B, T, V] (materialised whole: use token_logprobs for long T)."""
@@ -307,6 +365,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
             "index": jnp.zeros((), jnp.int32)}
 
 
+def init_slot_cache(cfg: ModelConfig, slots: int, max_len: int, dtype=None):
+    """Empty slot cache for a rollout engine: every slot (row) is its own sequence, filled
+    from index 0 and at its own pace. k, v: L per-layer arrays k [B, K, hd, S], v
+    [B, K, S, hd] (``init_cache``'s layouts, B = slots, S = max_len); lengths int32 [B]:
+    entries filled per slot (a token at index t has position t; entries >= lengths[b] are
+    never read, so a slot is reused by overwriting it from 0 and resetting its length)."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    B, K, S, hd = slots, cfg.num_kv_heads, max_len, cfg.head_dim
+    layers = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return {"k": layers((B, K, hd, S)), "v": layers((B, K, S, hd)),
+            "lengths": jnp.zeros((B,), jnp.int32)}
+
+
 CACHE_K_AXES = ("cache_batch", "cache_kv_heads", "cache_head_dim", "cache_length")
 CACHE_V_AXES = ("cache_batch", "cache_kv_heads", "cache_length", "cache_head_dim")
 CACHE_LOGICAL_AXES = {  # k / v: per layer
@@ -315,11 +386,12 @@ CACHE_LOGICAL_AXES = {  # k / v: per layer
     "positions": ("cache_batch", "cache_length"),
     "segment_ids": ("cache_batch", "cache_length"),
     "index": (),
+    "lengths": ("cache_batch",),  # slot cache
 }
 
 
 def cache_shardings(cache, mesh):
-    """NamedSharding per cache leaf (same structure as ``init_cache``)."""
+    """NamedSharding per cache leaf (same structure as ``init_cache`` / ``init_slot_cache``)."""
     return {k: jax.tree.map(lambda x, k=k: shd.named_sharding(mesh, CACHE_LOGICAL_AXES[k],
                                                               jnp.shape(x)), v)
             for k, v in cache.items()}

@@ -314,7 +314,9 @@ class CodeScorer(Closing):
         self.cfg = cfg or CodeRewardConfig()
         self.sandbox = Sandbox(self.cfg.sandbox)
         self._runs = cf.ThreadPoolExecutor(self.cfg.sandbox.slots, thread_name_prefix="sbx")
-        self._batches = cf.ThreadPoolExecutor(1, thread_name_prefix="sbx-batch")
+        # Batches may overlap (a rollout engine submits each chunk's finished samples as
+        # they come): their runs share the `slots` sandbox threads above.
+        self._batches = cf.ThreadPoolExecutor(self.cfg.sandbox.slots, thread_name_prefix="sbx-batch")
         self._rng, self._rng_lock = random.Random(self.cfg.test_seed), threading.Lock()
 
     def _format(self, response: str) -> CodeScore | None:

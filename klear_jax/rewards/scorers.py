@@ -1,7 +1,7 @@
 """One front for the math and code scorers, shared by RL, evaluation and curation.
 
     scorers = Scorers(MathRewardConfig(), CodeRewardConfig())
-    pending = scorers.submit("code", responses, tests)   # starts the sandboxed runs
+    pending = scorers.submit("code", responses, tests)   # starts scoring in the background
     scored = scorers.score(kinds, responses, refs)         # a mixed batch, code overlapping math
     scored.rewards, scored.correct, scored.pass_rate       # [N] each
     scorers.close()
@@ -16,6 +16,7 @@ and 0/1 correctness for math.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,19 @@ class Scored:
     pass_rate: np.ndarray    # float32
 
 
+class Pending:
+    """A batch being scored: ``done()`` polls, calling it returns the ``Scored`` (blocks)."""
+
+    def __init__(self, kind: str, future: cf.Future | None, finish: Callable[[Any], Scored]):
+        self.kind, self._future, self._finish = kind, future, finish
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def __call__(self) -> Scored:
+        return self._finish(None if self._future is None else self._future.result())
+
+
 class Scorers:
     """See the module docstring."""
 
@@ -45,6 +59,7 @@ class Scorers:
         self.code_cfg = code_cfg or CodeRewardConfig()
         self._math: MathScorer | None = None
         self._code: CodeScorer | None = None
+        self._math_bg: cf.ThreadPoolExecutor | None = None  # math batches, one at a time
 
     @property
     def math(self) -> MathScorer:
@@ -68,21 +83,23 @@ class Scorers:
         rate = np.maximum(r, 0.0) if kind == "code" else ok.astype(np.float32)
         return Scored(r, ok, rate.astype(np.float32))
 
-    def submit(self, kind: str, responses: Sequence[str], refs: Sequence[Any]
-               ) -> Callable[[], Scored]:
-        """Starts scoring ``responses`` of one kind; returns a callable giving the result.
-        Code runs in the sandbox pool in the background; math is checked now."""
+    def submit(self, kind: str, responses: Sequence[str], refs: Sequence[Any]) -> Pending:
+        """Starts scoring ``responses`` of one kind; returns a callable giving the result
+        (it blocks until then). Both kinds run in the background: code in the sandbox pool,
+        math in the math-verify pool (its batches one after another), so a caller can keep
+        decoding meanwhile (the rollout engine's overlapped scoring)."""
         if kind not in KINDS:
             raise ValueError(f"Scorers: unknown kind {kind!r}; allowed {KINDS}")
         if not responses:
-            empty = self._scored(kind, [])
-            return lambda: empty
+            return Pending(kind, None, lambda _: self._scored(kind, []))
         if kind == "code":
             fut = self.code.submit_batch(list(responses), list(refs))
-            return lambda: self._scored("code", fut.result())
-        done = self._scored("math", self.math.score_batch(list(responses),
-                                                          [str(a) for a in refs]))
-        return lambda: done
+        else:
+            if self._math_bg is None:
+                self._math_bg = cf.ThreadPoolExecutor(1, thread_name_prefix="math-batch")
+            fut = self._math_bg.submit(self.math.score_batch, list(responses),
+                                       [str(a) for a in refs])
+        return Pending(kind, fut, lambda r: self._scored(kind, r))
 
     def score(self, kinds: Sequence[str], responses: Sequence[str], refs: Sequence[Any]) -> Scored:
         """Scores a batch of mixed kinds (``kinds[i]`` of ``responses[i]``): code programs
@@ -102,6 +119,9 @@ class Scorers:
         return out
 
     def close(self) -> None:
+        if self._math_bg is not None:
+            self._math_bg.shutdown(wait=True)
+            self._math_bg = None
         for s in (self._math, self._code):
             if s is not None:
                 s.close()

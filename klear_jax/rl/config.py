@@ -18,8 +18,14 @@ Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
     rollout.temperature, top_p, top_k, repetition_penalty   sampling (top_k 0 = off)
     rollout.max_prompt_len  int   longer prompts are skipped by the data pipeline
     rollout.max_new_tokens  int   response budget; a response hitting it is "truncated"
-    rollout.sample_chunk_prompts int  prompts per sampler call (bounds the KV cache;
-                                  0 = all P at once); must divide prompts_per_step
+    rollout.decode_slots    int   decode slots of the rollout engine (``klear_jax.engine``):
+                                  samples decoded at once, each slot a KV-cache row of
+                                  max_prompt_len + max_new_tokens (bounds the cache); a
+                                  finished sample's slot is refilled with the next one
+                                  (0 = prompts_per_step x group_size: one slot per sample)
+    rollout.decode_chunk    int   decode steps per engine call (slots are refilled between)
+    rollout.overlap_scoring bool  score samples as they finish, while decoding goes on
+                                  (False: decode everything, then score)
     train.total_steps       int   RL steps (each: sample, score, up to K updates)
     train.batch_prompts     int   groups per step used for updates (the paper's 128)
     train.num_minibatches   int   K: updates per step; a mini-batch holds
@@ -97,7 +103,7 @@ def rl_base() -> ml_collections.ConfigDict:
     c.data = dict(dir="", name="", split="train", shuffle=True, num_epochs=0, tokenizer="")
     c.rollout = dict(prompts_per_step=256, group_size=8, temperature=1.0, top_p=1.0, top_k=0,
                      repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
-                     sample_chunk_prompts=0)
+                     decode_slots=0, decode_chunk=16, overlap_scoring=True)
     c.train = dict(total_steps=1, batch_prompts=128, num_minibatches=8, num_microbatches=1,
                    length_bucket=0, partial_minibatch="full", max_consecutive_skips=5,
                    log_every=1)
@@ -130,9 +136,9 @@ def validate_rl_config(c, num_devices: int | None = None) -> None:
     C.check_num(c, f"{r}.repetition_penalty", lo=0, open_lo=True)
     lp = C.check_int(c, f"{r}.max_prompt_len", lo=1)
     ln = C.check_int(c, f"{r}.max_new_tokens", lo=1)
-    chunk = C.check_int(c, f"{r}.sample_chunk_prompts", lo=0)
-    C.need(chunk == 0 or P % chunk == 0, f"{r}.sample_chunk_prompts",
-           f"{chunk} does not divide rollout.prompts_per_step = {P}")
+    C.check_int(c, f"{r}.decode_slots", lo=0)
+    C.check_int(c, f"{r}.decode_chunk", lo=1)
+    C.check_bool(c, f"{r}.overlap_scoring")
     if c.init.source == "scratch":
         C.need(lp + ln <= c.model.max_position_embeddings, f"{r}.max_new_tokens",
                f"max_prompt_len + max_new_tokens = {lp + ln} exceeds "

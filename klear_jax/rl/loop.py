@@ -1,7 +1,11 @@
 """The GPPO loop, one RL step as named phases:
 
-    rollout            P prompts x G responses on the training mesh with the current params
-    score              decode and score them (code in the sandbox pool, overlapping math)
+    rollout            P prompts x G responses from the rollout engine (``klear_jax.engine``)
+                       on the training mesh with the current params; each chunk's finished
+                       responses are submitted for scoring while decoding goes on
+                       (``rollout.overlap_scoring``; ``klear_jax.rl.rollout``)
+    score              wait for the scores still running (all of them when not overlapped:
+                       decode-then-score); group advantages
     build_minibatches  group advantages; keep at most ``train.batch_prompts`` groups with a
                        learning signal; the rows, split into K mini-batches
     old_logprobs       the trainer's chunked log-probs on the pre-update params (the
@@ -34,10 +38,12 @@ from klear_jax import sharding as shd
 from klear_jax import train_step as ts
 from klear_jax.data.pipeline import decode_rl_example, rl_prompt_batches
 from klear_jax.data.tokenizer import load_tokenizer
+from klear_jax.engine import Engine
 from klear_jax.rewards.scorers import Scorers
 from klear_jax.rl import batch as rb
 from klear_jax.rl import metrics as rm
 from klear_jax.rl.config import validate_rl_config
+from klear_jax.rl.rollout import GroupScoring, Rollout
 from klear_jax.rl.step import (build_logprob_fn, build_rl_step, minibatch_rows, rl_optimizer,
                                verl_rows_per_device)
 from klear_jax.sampler import Sampler, SamplingParams
@@ -64,33 +70,25 @@ def build_prompts(cfg, state: dict | None = None):
     return it, has_code_prompts(src)
 
 
+def _all_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """(every process's prompts, in process order; where this process's start). The engine's
+    host loop decides refills from the tokens it reads back, so every process must run it
+    on the same prompts to make the same jitted calls."""
+    if jax.process_count() == 1:
+        return prompts, 0
+    width = _max_over_processes(max(map(len, prompts)))
+    rows = np.zeros((len(prompts), width + 1), np.int32)  # length, then tokens
+    for i, p in enumerate(prompts):
+        rows[i, 0], rows[i, 1:1 + len(p)] = len(p), p
+    everyone = np.asarray(multihost_utils.process_allgather(rows))  # [procs, P, width + 1]
+    flat = [r[1:1 + r[0]].tolist() for proc in everyone for r in proc]
+    return flat, jax.process_index() * len(prompts)
+
+
 def _max_over_processes(n: int) -> int:
     if jax.process_count() == 1:
         return n
     return int(np.max(multihost_utils.process_allgather(np.asarray(n))))
-
-
-def score_responses(scorers: Scorers, records, texts, G: int):
-    """(rewards float32 [P, G], correct bool [P, G]): response p * G + g answers
-    records[p], scored as code when the record has tests, else as math."""
-    kinds = [rm.record_kind(records[i // G]) for i in range(len(texts))]
-    refs = [records[i // G]["tests"] if k == "code" else records[i // G]["answer"]
-            for i, k in enumerate(kinds)]
-    s = scorers.score(kinds, texts, refs)
-    return s.rewards.reshape(len(records), G), s.correct.reshape(len(records), G)
-
-
-@dataclasses.dataclass
-class Rollout:
-    """G responses to each of this process's P prompts; response p * G + g answers p."""
-    records: list[dict]
-    prompts: list[list[int]]
-    tokens: np.ndarray       # int32 [P*G, M]
-    logprobs: np.ndarray     # float32 [P*G, M] the sampler's
-    lengths: np.ndarray      # int32 [P*G]
-    truncated: np.ndarray    # bool [P*G]
-    texts: list[str]
-    seconds: float
 
 
 class RLStep:
@@ -101,8 +99,10 @@ class RLStep:
         self.cfg, self.mesh, self.tok = cfg, mesh, tok
         self.G, self.n_proc = ro.group_size, jax.process_count()
         self.pad_id, stop_ids = policy.special_ids(tok, model_cfg.vocab_size)
-        self.sampler = Sampler(graphdef, mesh=mesh, pad_id=self.pad_id,
-                               max_prompt_len=ro.max_prompt_len)
+        self.engine = Engine(graphdef, mesh=mesh, pad_id=self.pad_id,
+                             max_prompt_len=ro.max_prompt_len,
+                             slots=ro.decode_slots or ro.prompts_per_step * ro.group_size,
+                             chunk=ro.decode_chunk, tokenizer=tok)
         self.sparams = SamplingParams(temperature=ro.temperature, top_p=ro.top_p,
                                       top_k=ro.top_k, repetition_penalty=ro.repetition_penalty,
                                       max_new_tokens=ro.max_new_tokens, stop_token_ids=stop_ids,
@@ -117,27 +117,43 @@ class RLStep:
         self.cap = ro.max_prompt_len + ro.max_new_tokens
 
     # ------------------------------------------------------------------ phases
-    def rollout(self, params, records, seed: int) -> Rollout:
+    def rollout(self, params, records, seed: int) -> tuple[Rollout, GroupScoring | None]:
+        """The responses, and (overlapped scoring) their scores in flight."""
         t0 = time.perf_counter()
         prompts = [r["prompt_ids"].tolist() for r in records]
-        chunk = self.cfg.rollout.sample_chunk_prompts // self.n_proc or len(prompts)
-        outs = [self.sampler.generate(nnx.State(params), prompts[i:i + chunk], self.sparams,
-                                      seed + i) for i in range(0, len(prompts), chunk)]
-        cat = lambda f: np.concatenate([getattr(o, f) for o in outs])  # noqa: E731
-        texts = [t for o in outs for t in Sampler.decode_text(o, self.tok)]
-        return Rollout(records, prompts, cat("tokens"), cat("logprobs"), cat("lengths"),
-                       cat("truncated"), texts, time.perf_counter() - t0)
+        lc = self.cfg.loss
+        scoring = (GroupScoring(self.scorers, records, self.G, self.tok, lc.adv_estimator,
+                                lc.adv_use_std) if self.cfg.rollout.overlap_scoring else None)
+        everyone, first = _all_prompts(prompts)  # every process decodes all prompts
+        lo, hi = first * self.G, (first + len(prompts)) * self.G
 
-    def score(self, ro: Rollout):
-        return score_responses(self.scorers, ro.records, ro.texts, self.G)
+        def mine(finished):  # score this process's samples, indexed locally
+            scoring.add([dataclasses.replace(f, index=f.index - lo,
+                                             prompt_index=f.prompt_index - first)
+                         for f in finished if lo <= f.index < hi])
+        out = self.engine.generate(nnx.State(params), everyone, self.sparams, seed,
+                                   on_finish=mine if scoring else None)
+        rows = slice(lo, hi)
+        texts = Sampler.decode_text(dataclasses.replace(out, tokens=out.tokens[rows],
+                                                        lengths=out.lengths[rows]), self.tok)
+        return Rollout(records, prompts, out.tokens[rows], out.logprobs[rows],
+                       out.lengths[rows], out.truncated[rows], texts,
+                       time.perf_counter() - t0), scoring
 
-    def build_minibatches(self, ro: Rollout, rewards, correct):
+    def score(self, ro: Rollout, scoring: GroupScoring | None):
+        """(rewards, correct, advantages), each [P, G]."""
+        if scoring is None:
+            scoring = GroupScoring(self.scorers, ro.records, self.G, self.tok,
+                                   self.cfg.loss.adv_estimator, self.cfg.loss.adv_use_std)
+            scoring.submit(range(len(ro.texts)), ro.texts)
+        return scoring.result()
+
+    def build_minibatches(self, ro: Rollout, adv, rewards, correct):
         """(host mini-batches, kept group indices, has-signal mask [P], row length).
 
         ``train.partial_minibatch = "drop"`` keeps whole mini-batches of groups only (per
         process); ``loss.normalize = "microbatch"`` adds each mini-batch's verl scales."""
         lc, G = self.cfg.loss, self.G
-        adv = rb.group_advantages(rewards, lc.adv_estimator, lc.adv_use_std)
         kept, signal = rb.select_groups(rewards, self.batch_prompts, lc.filter_zero_adv,
                                         correct=correct if lc.filter_by == "correct" else None)
         if self.cfg.train.partial_minibatch == "drop":
@@ -233,11 +249,11 @@ def run(cfg) -> dict:
                     break
                 rng, sub = jax.random.split(rng)
                 seed = int(jax.random.randint(sub, (), 0, 2**31 - 1))
-                ro = steps.rollout(state.params, records, seed)
+                ro, scoring = steps.rollout(state.params, records, seed)
                 t0 = time.perf_counter()
-                rewards, correct = steps.score(ro)
+                rewards, correct, adv = steps.score(ro, scoring)
                 t_score = time.perf_counter() - t0
-                mbs, kept, signal, seq_len = steps.build_minibatches(ro, rewards, correct)
+                mbs, kept, signal, seq_len = steps.build_minibatches(ro, adv, rewards, correct)
                 t0 = time.perf_counter()
                 dev_mbs, stats = steps.old_logprobs(state.params, mbs)
                 t_logp = time.perf_counter() - t0
