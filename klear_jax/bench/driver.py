@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
     for order in round_orders(names, a.rounds):
         for w in order:
             t0 = time.perf_counter()
-            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload, a.preset))
+            runs[w].append(spawn(w, a.quick, a.threads, a.timeout, preload, preset=a.preset))
             print(f"[bench] {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             res[w] = combine_runs(w, runs[w])
             if a.rounds > 1:
