@@ -109,13 +109,17 @@ def test_analytical_flops_qwen3_8b():
 # Every paper config on both slices, as docs/aot.md runs them: each function must fit a chip.
 # One test per (config, slice) so xdist spreads them over workers; inside one, aot.run
 # builds the abstract model once and compiles all the config's functions in one process.
-# The GPPO code config's sampler (prefill, decode) reads only model / mesh / rollout, equal to
-# the math config's (asserted), so the math test's prefill and decode cover it.
+# The GPPO code config's sampler (prefill, decode; the rollout engine's insert and decode
+# chunk, what RL runs) reads only model / mesh / rollout, equal to the math config's
+# (asserted), so the math test's sampler functions cover it. Rollout functions count the
+# train state that stays on the chips beside the bf16 weights copy they read.
 PAPER = [
     ("configs/sft_qwen3_8b.py", "v5p-64", ("sft_step",)),
     ("configs/sft_qwen3_8b.py:chips=64", "v6e-64", ("sft_step",)),
-    ("configs/gppo_math_qwen3_8b.py", "v5p-64", ("rl_step", "prefill", "decode")),
-    ("configs/gppo_math_qwen3_8b.py:chips=64,tensor=4", "v6e-64", ("rl_step", "prefill", "decode")),
+    ("configs/gppo_math_qwen3_8b.py", "v5p-64",
+     ("rl_step", "prefill", "decode", "engine_insert", "engine_decode")),
+    ("configs/gppo_math_qwen3_8b.py:chips=64,tensor=4", "v6e-64",
+     ("rl_step", "prefill", "decode", "engine_insert", "engine_decode")),
     ("configs/gppo_code_qwen3_8b.py", "v5p-64", ("rl_step",)),
     ("configs/gppo_code_qwen3_8b.py:chips=64,tensor=4", "v6e-64", ("rl_step",)),
 ]

@@ -64,3 +64,39 @@ def test_batch_shapes(seq_len):
     T = seq_len or c.rollout.max_prompt_len + c.rollout.max_new_tokens
     assert shapes["input_ids"][0] == (R, T) and shapes["advantages"][0] == (R,)
     assert rl_step.minibatch_rows(c) == R
+
+
+def test_rollout_weights_bf16_copy_and_logprob_gap():
+    """rollout.weights_dtype "auto" under bf16 compute: the sampler gets a bf16 copy sharded
+    like the f32 masters; the log-probs it reports for its own tokens stay within 0.01 nats
+    (mean 0.002; measured 5.7e-4 / 1.9e-4) of the trainer's (f32 masters, bf16 compute) on the same tokens."""
+    from flax import nnx
+    from klear_jax import train_step as ts
+    from klear_jax.models import ModelConfig, create_model
+    from klear_jax.sampler import Sampler, SamplingParams
+    mcfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
+                       dtype="bfloat16", param_dtype="float32", logprob_chunk_size=16)
+    mesh = shd.make_mesh(fsdp=-1, devices=jax.devices()[:4])
+    model = create_model(mcfg, seed=3, mesh=mesh)
+    optimizer, _ = rl_step.rl_optimizer(_cfg())
+    graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
+    assert rl_step.build_rollout_cast(_cfg(**{"rollout.weights_dtype": '"float32"'}), mcfg,
+                                      shardings) is None
+    cast = rl_step.build_rollout_cast(_cfg(), mcfg, shardings)
+    weights = cast(state.params)
+    for w, p in zip(jax.tree.leaves(weights), jax.tree.leaves(state.params)):
+        assert w.dtype == jax.numpy.bfloat16 and w.sharding == p.sharding
+    prompts = np.random.default_rng(0).integers(1, 128, (4, 8)).tolist()
+    out = Sampler(graphdef, mesh=mesh, pad_id=0, max_prompt_len=8).generate(
+        nnx.State(weights), prompts, SamplingParams(temperature=1.0, max_new_tokens=16), 0)
+    seq = {k: jax.numpy.asarray(v) for k, v in out.sequences().items()}
+    targets = jax.numpy.roll(seq["input_ids"], -1, axis=1)
+    with shd.use_mesh(mesh):
+        logp, _ = nnx.merge(graphdef, nnx.State(state.params)).token_logprobs(
+            seq["input_ids"], targets, None, seq["segment_ids"])
+    mask = np.asarray(seq["response_mask"])[:, 1:] > 0
+    trainer = np.asarray(logp)[:, :-1][mask]
+    sampler = np.asarray(seq["old_logprobs"])[:, 1:][mask]
+    gap = np.abs(trainer - sampler)
+    assert gap.max() < 0.01 and gap.mean() < 0.002, (gap.max(), gap.mean())

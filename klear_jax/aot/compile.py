@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any
@@ -25,7 +26,7 @@ from klear_jax import train_step as ts
 from klear_jax.flops import CHIPS, analytical_flops, roofline
 from klear_jax.models import ModelConfig
 from klear_jax.rl.step import batch_shapes as rl_batch_shapes
-from klear_jax.rl.step import build_rl_step, rl_optimizer
+from klear_jax.rl.step import build_rl_step, rl_optimizer, rollout_dtype
 from klear_jax.engine import Engine
 from klear_jax.sampler import Sampler, SamplingParams, _Static
 from klear_jax.sft.step import batch_shapes as sft_batch_shapes
@@ -126,8 +127,11 @@ def cost_report(compiled) -> dict:
             "xla_transcendentals": float(ca.get("transcendentals", 0.0))}
 
 
-def compile_one(name: str, lowered_fn, topo: Topology, n_devices: int, flops: dict) -> dict:
-    """Lowers + compiles; returns the report for one function."""
+def compile_one(name: str, lowered_fn, topo: Topology, n_devices: int, flops: dict,
+                resident_bytes: int = 0) -> dict:
+    """Lowers + compiles; returns the report for one function. ``resident_bytes``: per-chip
+    memory that stays allocated beside it (the train state during rollouts), added to its
+    total and its fit."""
     t0 = time.perf_counter()
     lowered = lowered_fn()
     t1 = time.perf_counter()
@@ -135,6 +139,11 @@ def compile_one(name: str, lowered_fn, topo: Topology, n_devices: int, flops: di
     t2 = time.perf_counter()
     rep = {"name": name, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2)}
     rep["memory"] = memory_report(compiled, topo.hbm_bytes)
+    if resident_bytes:
+        m = rep["memory"]
+        m["resident_bytes"] = resident_bytes
+        m["total_bytes"] += resident_bytes
+        m["fits"] = m["total_bytes"] <= topo.hbm_bytes
     rep["cost"] = cost_report(compiled)
     rep["flops"] = flops
     rep["roofline"] = roofline(flops, topo.chip, n_devices)
@@ -185,11 +194,26 @@ def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
         jobs["rl_step"] = (lambda: step.lower(state, batch),
                            analytical_flops(mcfg, "train", rows=R, seq=T))
 
+    # Rollouts read the policy's copy in the rollout dtype (bf16 under bf16 compute) while the
+    # train state (f32 masters + optimizer) stays on the chips: the sampler functions take the
+    # copy as their argument and their reports add the train state's bytes.
+    dtype = jnp.dtype(rollout_dtype(cfg, mcfg))
+    weights = jax.tree.map(lambda x: sds(x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating)
+                                         else x.dtype, x.sharding), params)
+    rollout = {}
     if "prefill" in what or "decode" in what:
-        jobs.update(_sampler_jobs(cfg, mcfg, graphdef, params, mesh, what))
+        rollout.update(_sampler_jobs(cfg, mcfg, graphdef, weights, mesh, what))
     if "engine_insert" in what or "engine_decode" in what:
-        jobs.update(_engine_jobs(cfg, mcfg, graphdef, params, mesh, what))
+        rollout.update(_engine_jobs(cfg, mcfg, graphdef, weights, mesh, what))
+    resident = per_chip_bytes(state)
+    jobs.update({k: (lower, flops, resident) for k, (lower, flops) in rollout.items()})
     return jobs
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs."""
+    return int(sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
 
 
 def _engine_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
@@ -309,8 +333,9 @@ def run(config: str, topology: str, what: tuple[str, ...] | None = None,
     # kernel (klear_jax.backend decides from the mesh's platform).
     jobs = build_jobs(cfg, mesh, what)
     for name in what:
-        lower_fn, flops = jobs[name]
-        report["functions"].append(compile_one(name, lower_fn, topo, len(devices), flops))
+        lower_fn, flops, *resident = jobs[name]
+        report["functions"].append(compile_one(name, lower_fn, topo, len(devices), flops,
+                                               *resident))
     return report
 
 

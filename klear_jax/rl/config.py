@@ -24,6 +24,10 @@ Shared blocks (``workdir``, ``seed``, ``mesh``, ``init``, ``model``, ``optim``,
                                   finished sample's slot is refilled with the next one
                                   (0 = prompts_per_step x group_size: one slot per sample)
     rollout.decode_chunk    int   decode steps per engine call (slots are refilled between)
+    rollout.weights_dtype   str   the sampler's copy of the policy: "auto" (the model's compute
+                                  dtype: bf16 rollouts under bf16 compute; one cast per rollout
+                                  phase, sharded like the params, the f32 masters stay for the
+                                  update) | "float32" | "bfloat16"
     rollout.overlap_scoring bool  score samples as they finish, while decoding goes on
                                   (False: decode everything, then score)
     train.total_steps       int   RL steps (each: sample, score, up to K updates)
@@ -103,7 +107,8 @@ def rl_base() -> ml_collections.ConfigDict:
     c.data = dict(dir="", name="", split="train", shuffle=True, num_epochs=0, tokenizer="")
     c.rollout = dict(prompts_per_step=256, group_size=8, temperature=1.0, top_p=1.0, top_k=0,
                      repetition_penalty=1.0, max_prompt_len=4096, max_new_tokens=32768,
-                     decode_slots=0, decode_chunk=16, overlap_scoring=True)
+                     decode_slots=0, decode_chunk=16, overlap_scoring=True,
+                     weights_dtype="auto")
     c.train = dict(total_steps=1, batch_prompts=128, num_minibatches=8, num_microbatches=1,
                    length_bucket=0, partial_minibatch="full", max_consecutive_skips=5,
                    log_every=1)
@@ -139,6 +144,7 @@ def validate_rl_config(c, num_devices: int | None = None) -> None:
     C.check_int(c, f"{r}.decode_slots", lo=0)
     C.check_int(c, f"{r}.decode_chunk", lo=1)
     C.check_bool(c, f"{r}.overlap_scoring")
+    C.check_choice(c, f"{r}.weights_dtype", ("auto",) + C.DTYPES, "dtype")
     if c.init.source == "scratch":
         C.need(lp + ln <= c.model.max_position_embeddings, f"{r}.max_new_tokens",
                f"max_prompt_len + max_new_tokens = {lp + ln} exceeds "

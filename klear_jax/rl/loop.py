@@ -44,8 +44,8 @@ from klear_jax.rl import batch as rb
 from klear_jax.rl import metrics as rm
 from klear_jax.rl.config import validate_rl_config
 from klear_jax.rl.rollout import GroupScoring, Rollout
-from klear_jax.rl.step import (build_logprob_fn, build_rl_step, minibatch_rows, rl_optimizer,
-                               verl_rows_per_device)
+from klear_jax.rl.step import (build_logprob_fn, build_rl_step, build_rollout_cast,
+                               minibatch_rows, rl_optimizer, verl_rows_per_device)
 from klear_jax.sampler import Sampler, SamplingParams
 from klear_jax.trainer import Trainer
 
@@ -107,6 +107,7 @@ class RLStep:
                                       top_k=ro.top_k, repetition_penalty=ro.repetition_penalty,
                                       max_new_tokens=ro.max_new_tokens, stop_token_ids=stop_ids,
                                       n=self.G)
+        self.cast = build_rollout_cast(cfg, model_cfg, shardings)  # bf16 rollouts
         self.step_fn = build_rl_step(cfg, graphdef, optimizer, schedule, mesh, shardings)
         self.logp_fn = build_logprob_fn(cfg, graphdef, mesh, shardings)
         self.scorers = Scorers(C.math_reward_config(cfg), C.code_reward_config(cfg))
@@ -131,8 +132,10 @@ class RLStep:
             scoring.add([dataclasses.replace(f, index=f.index - lo,
                                              prompt_index=f.prompt_index - first)
                          for f in finished if lo <= f.index < hi])
-        out = self.engine.generate(nnx.State(params), everyone, self.sparams, seed,
+        weights = self.cast(params) if self.cast is not None else params  # freed after
+        out = self.engine.generate(nnx.State(weights), everyone, self.sparams, seed,
                                    on_finish=mine if scoring else None)
+        del weights
         rows = slice(lo, hi)
         texts = Sampler.decode_text(dataclasses.replace(out, tokens=out.tokens[rows],
                                                         lengths=out.lengths[rows]), self.tok)

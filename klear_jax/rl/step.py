@@ -4,6 +4,7 @@ the benchmarks all build their step here, so they cannot drift apart."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from klear_jax import optim
@@ -40,6 +41,24 @@ def build_logprob_fn(cfg, graphdef, mesh, shardings):
     """The jitted old-log-prob pass ``(params, minibatch) -> (old_logp, stats)``."""
     return rl_loss.make_logprob_fn(graphdef, mesh, shardings.params, cfg.rollout.temperature,
                                    cfg.train.num_microbatches)
+
+
+def rollout_dtype(cfg, model_cfg) -> str:
+    """The dtype of the sampler's copy of the policy (``rollout.weights_dtype``; "auto" = the
+    model's compute dtype)."""
+    wd = cfg.rollout.weights_dtype
+    return model_cfg.dtype if wd == "auto" else wd
+
+
+def build_rollout_cast(cfg, model_cfg, shardings):
+    """Jitted ``params -> params`` in the rollout dtype, sharded like the params; None when
+    the params are stored in that dtype already (the sampler reads them as they are)."""
+    dtype = jnp.dtype(rollout_dtype(cfg, model_cfg))
+    if dtype == jnp.dtype(model_cfg.param_dtype):
+        return None
+    cast = lambda p: jax.tree.map(  # noqa: E731
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+    return jax.jit(cast, out_shardings=shardings.params)
 
 
 def minibatch_rows(cfg) -> int:
