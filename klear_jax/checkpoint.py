@@ -295,12 +295,6 @@ class TrainCheckpointer:
             self.mngr.close()
 
 
-def abstract_like(tree, shardings):
-    """ShapeDtypeStructs of ``tree`` (arrays or abstract) with the given shardings."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tree, shardings)
-
-
 class PreemptionFlag:
     """SIGTERM (TPU VM preemption) sets a flag; the loop checks it at each step boundary,
     saves and exits 0."""

@@ -7,7 +7,7 @@ Every loss has two forms:
   (lax.scan over micro-batches, global sum across devices) and divides once with
   :func:`finalize`. Denominators depend on the mask alone (:func:`agg_denominator`), so a
   trainer may compute the global denominator first and scale each micro-batch by it.
-* a convenience form (:func:`policy_loss`, :func:`sft_loss`) = the scalar for one batch.
+* a convenience form (:func:`policy_loss`) = the scalar for one batch.
 
 Aggregation modes (``agg``) and how their (sum, denom) pair is formed, with m the 0/1 mask,
 l the per-token loss, n_b = sum_t m[b, t] and S = #{b : n_b > 0} (non-empty sequences):
@@ -389,11 +389,6 @@ def sft_loss_terms(logp, mask, agg: str = "token-mean", norm_length=None):
     logp = _as_2d("logp", logp)
     m = _as_2d("mask", mask, logp.shape) > 0
     return aggregate_terms(-jnp.where(m, logp, 0.0), m, agg, norm_length)
-
-
-def sft_loss(logp, mask, agg: str = "token-mean", norm_length=None) -> jax.Array:
-    """Negative log-likelihood of the masked tokens, token-mean by default."""
-    return finalize(*sft_loss_terms(logp, mask, agg, norm_length))
 
 
 def positive_sft_terms(logp, mask, positive):

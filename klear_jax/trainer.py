@@ -30,7 +30,6 @@ from klear_jax import checkpoint as ckpt
 from klear_jax import metrics as metrics_lib
 
 log = logging.getLogger(__name__)
-STOP_REASONS = ("done", "preempted", "data_exhausted")
 
 
 class SkipGuard:

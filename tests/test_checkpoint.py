@@ -34,7 +34,8 @@ def target_state(mesh, like):
     """Abstract TrainState with shardings for ``mesh`` (built from the model config only)."""
     _, abstract_params = ck.abstract_model(CFG, mesh)
     p_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
-    return ck.abstract_like(like, ts.state_shardings(p_sh, OPT, abstract_params, mesh))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like,
+                        ts.state_shardings(p_sh, OPT, abstract_params, mesh))
 
 
 def test_full_state_restores_onto_other_meshes(tmp_path):

@@ -277,10 +277,10 @@ def test_metrics_known_values():
 def test_sft_losses_and_positive_term():
     logp = jnp.array([[-1.0, -3.0, -7.0], [-2.0, -4.0, -6.0]])
     mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    np.testing.assert_allclose(L.sft_loss(logp, mask), 16 / 5)
-    np.testing.assert_allclose(L.sft_loss(logp, mask, "seq-mean-token-mean"), (2 + 4) / 2)
-    np.testing.assert_allclose(L.sft_loss(logp, mask, "seq-mean-token-sum"), (4 + 12) / 2)
-    np.testing.assert_allclose(L.sft_loss(logp, mask, "seq-mean-token-sum-norm", 4), 16 / 8)
+    np.testing.assert_allclose(L.finalize(*L.sft_loss_terms(logp, mask)), 16 / 5)
+    np.testing.assert_allclose(L.finalize(*L.sft_loss_terms(logp, mask, "seq-mean-token-mean")), (2 + 4) / 2)
+    np.testing.assert_allclose(L.finalize(*L.sft_loss_terms(logp, mask, "seq-mean-token-sum")), (4 + 12) / 2)
+    np.testing.assert_allclose(L.finalize(*L.sft_loss_terms(logp, mask, "seq-mean-token-sum-norm", 4)), 16 / 8)
     s, d = L.positive_sft_terms(logp, mask, jnp.array([False, True]))
     assert (float(s), float(d)) == (12.0, 3.0)
     adv, old = jnp.array([0.0, 0.0]), logp

@@ -93,7 +93,7 @@ def test_global_denominator_not_per_microbatch(mesh8):
     model = create_model(CFG, seed=0)
     logp, _ = model.token_logprobs(batch["input_ids"], batch["targets"], batch["positions"],
                                    batch["segment_ids"])
-    want = losses.sft_loss(logp, batch["loss_mask"])
+    want = losses.finalize(*losses.sft_loss_terms(logp, batch["loss_mask"]))
     _, m = step(state, batch)
     np.testing.assert_allclose(m["loss"], want, rtol=1e-5)
     assert m["tokens"] == batch["loss_mask"].sum()
@@ -152,7 +152,7 @@ def test_multi_term_denominators(mesh8, splits):
     model = create_model(CFG, seed=0)
     logp, _ = model.token_logprobs(batch["input_ids"], batch["targets"], batch["positions"],
                                    batch["segment_ids"])
-    want = (losses.sft_loss(logp, batch["loss_mask"])
+    want = (losses.finalize(*losses.sft_loss_terms(logp, batch["loss_mask"]))
             + 0.1 * losses.finalize(*losses.positive_sft_terms(logp, batch["loss_mask"],
                                                                batch["w"] > 1)))
     for _, m in res:

@@ -129,15 +129,6 @@ def select_groups(rewards, batch_prompts: int, filter_zero_adv: bool = True,
     return cand[:batch_prompts], signal
 
 
-def positive_mask(rewards, max_reward, atol: float = 1e-6) -> np.ndarray:
-    """bool [P, G]: response reached its prompt's maximum possible reward ``max_reward``
-    (scalar or [P], e.g. +1 for math, 1.0 = all tests passed for code)."""
-    r = np.asarray(rewards, np.float32)
-    m = np.broadcast_to(np.asarray(max_reward, np.float32).reshape(-1, 1)
-                        if np.ndim(max_reward) else np.float32(max_reward), r.shape)
-    return r >= m - atol
-
-
 def build_rows(prompts: Sequence[np.ndarray], responses: np.ndarray, lengths,
                seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     """Rows prompt_r ++ responses[r, :lengths[r]], right-padded to ``seq_len``.
