@@ -35,6 +35,12 @@ next chunk decodes; ``SamplingParams.stop_strings``
 (needs ``tokenizer``) end a sample at the first token whose decoded prefix contains one of
 them (``stop_string_hit``; the slot is released at the next chunk).
 
+Several processes (a pod's hosts): every process calls ``generate`` on the same prompts (all
+processes' prompts: the host loop decides refills from the tokens it reads back, so every
+process makes the same jitted calls) and gets every sample back; each scores only its
+``process_share`` of the prompts, and ``gather_shares`` puts the per-prompt results of all
+processes together on every process (the RL loop and eval do this).
+
 Statistics of the last call (``last_stats``): chunks, inserts, useful slot-steps (tokens
 emitted by decode), slot_utilisation = useful / (chunks x chunk x slots), wall times.
 """
@@ -51,12 +57,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from klear_jax import backend
 from klear_jax import sampling_utils as su
 from klear_jax import sharding as shd
 from klear_jax.models.qwen import cache_shardings, init_slot_cache
 from klear_jax.sampler import SampleOutput, SamplingParams
+
+
+def process_share(n: int, process: int | None = None) -> range:
+    """The items (prompts) of ``n`` that process ``process`` (default this one) scores after
+    every process decoded all of them: a contiguous block, blocks in process order, sizes
+    differing by at most one."""
+    i = jax.process_index() if process is None else process
+    k = jax.process_count()
+    return range(i * n // k, (i + 1) * n // k)
+
+
+def gather_shares(local, n: int):
+    """Every process's ``local`` (a pytree of arrays [len(process_share(n)), ...]: its own
+    rows) -> the whole [n, ...] arrays, the same on every process (one collective)."""
+    k = jax.process_count()
+    if k == 1:
+        return local
+    width = -(-n // k)
+
+    def pad(x):
+        x = np.asarray(x)
+        out = np.zeros((width,) + x.shape[1:], x.dtype)
+        out[:len(x)] = x
+        return out
+    everyone = multihost_utils.process_allgather(jax.tree.map(pad, local))  # [k, width, ...]
+    return jax.tree.map(lambda x: np.concatenate(
+        [np.asarray(x)[p, :len(process_share(n, p))] for p in range(k)]), everyone)
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ file per process) are read back into ``ProcResult.output``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -194,6 +197,69 @@ def cache_env(xla_cache: str) -> dict[str, str]:
     """Env for a shared persistent compilation cache (process 0 writes, the others read)."""
     return {"JAX_COMPILATION_CACHE_DIR": str(xla_cache),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """One persistent compilation cache for this test process and every launched process
+    (pass ``cache_env(xla_cache)`` to the jobs)."""
+    import jax
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    old = (jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield path
+    jax.config.update("jax_compilation_cache_dir", old[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+# `python -c AUDITED DIR PRELUDE -m MODULE ARGS...`: runs MODULE as __main__ (its real entry
+# point) after executing PRELUDE (Python code that may patch things and add to `report`);
+# a process other than 0 records every file it opens for writing and every directory or file
+# it creates, renames or removes under DIR (absolute paths), as report["writes"]. At exit the
+# report is printed as one line: "AUDIT <json>".
+AUDITED = """
+import atexit, json, os, runpy, sys
+under, prelude, flag, module = sys.argv[1:5]
+assert flag == "-m", sys.argv
+report = {"writes": []}
+WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def audit(event, args):
+    if event == "open":
+        path, mode, flags = args
+        writing = (isinstance(mode, str) and set(mode) & set("wax+")) or (flags or 0) & WRITE
+    elif event in ("os.mkdir", "os.rename", "os.remove", "os.rmdir"):
+        path, writing = args[0], True
+    else:
+        return
+    if writing and isinstance(path, (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(path))
+        if path.startswith(under):
+            report["writes"].append([event, path])
+
+if os.environ.get("KLEAR_PROCESS_ID", "0") != "0":
+    sys.addaudithook(audit)
+exec(prelude)
+atexit.register(lambda: print("AUDIT " + json.dumps(report), flush=True))
+sys.argv = [module] + sys.argv[5:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def audited(args: Sequence[str], under: str | os.PathLike, prelude: str = "") -> list[str]:
+    """``args`` (``-m MODULE ...``, e.g. cli_args(...)) run under AUDITED: read the report
+    back with ``audit_report``."""
+    return ["-c", AUDITED, os.path.abspath(under), prelude, *args]
+
+
+def audit_report(result: ProcResult) -> dict:
+    """The report an AUDITED process printed at exit (``writes`` and whatever its prelude
+    added)."""
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("AUDIT ")]
+    assert len(lines) == 1, result.tail()
+    return json.loads(lines[0][len("AUDIT "):])
 
 
 def has_lines(path: str | os.PathLike, n: int) -> Callable[[], bool]:

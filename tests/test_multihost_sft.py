@@ -15,13 +15,13 @@ import re
 import shutil
 import signal
 
-import jax
 import pytest
 
 from data_fixtures import sft_record, tok_dir, write_jsonl  # noqa: F401 (fixture)
 from klear_jax import config as cu, sft
 from klear_jax.metrics import read_jsonl
-from multihost import MultiHost, ROOT, cache_env, cli_args, describe, has_lines
+from multihost import (MultiHost, ROOT, cache_env, cli_args, describe, has_lines,  # noqa: F401
+                       xla_cache)
 
 TINY = os.path.join(ROOT, "configs", "sft_tiny.py") + ":vocab=384"
 EXACT = ("tokens", "batch_tokens", "lr", "skipped")  # integers / schedule: equal
@@ -36,19 +36,6 @@ def dataset(tmp_path_factory, tok_dir):  # noqa: F811
     src = write_jsonl(d / "train.jsonl", [sft_record(rng, True) for _ in range(64)])
     prepare([src], str(d / "tfds"), "tiny_sft", "sft", tok_dir)
     return str(d / "tfds")
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """One persistent compilation cache for this process and every launched process."""
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield path
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
 
 
 def overrides(workdir, dataset, steps, every=3, **kw) -> dict:

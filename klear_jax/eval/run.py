@@ -18,7 +18,10 @@ record raises ``RecordError`` "path:line: problem".
 Samples come from the rollout engine (``klear_jax.engine``: batch_prompts x
 samples_per_call decode slots, refilled as samples end; a setting's ``stop_strings`` end a
 sample while decoding); each chunk's finished samples are scored while decoding goes on.
-Scoring is the RL reward (math-verify; the sandboxed code runner in soft mode). A sample is
+Scoring is the RL reward (math-verify; the sandboxed code runner in soft mode). On several
+processes (a pod's hosts, ``sharding.initialize_distributed``) every process draws every
+sample on the global mesh, scores its share of the problems (``engine.process_share``), and
+the scores are put together on every process; only process 0 writes ``out_dir``. A sample is
 *correct* when it earns the full reward (math verifies; code passes every test);
 ``accuracy`` == ``avg@k`` is the fraction of correct samples, ``pass_rate`` the mean soft
 pass rate (code) and ``pass@k`` the unbiased estimator (``klear_jax.eval.metrics``).
@@ -69,7 +72,7 @@ from klear_jax.eval import config as ec
 from klear_jax.eval import metrics as em
 from klear_jax.rewards import CodeRewardConfig, MathRewardConfig
 from klear_jax.rewards.scorers import KINDS, Scorers
-from klear_jax.engine import Engine
+from klear_jax.engine import Engine, gather_shares, process_share
 from klear_jax.sampler import SamplingParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -176,32 +179,41 @@ def load_problems(bench: Benchmark, tokenizer, max_prompt_len: int) -> list[Prob
 
 # ------------------------------------------------------------------------------ evaluation
 def _sample_and_score(engine, state, tok, problems, bench, setting, k, stop_ids, seed,
-                      scorers):
+                      scorers, all_texts: bool = True):
     """-> per-sample arrays [P, k] (texts, rewards, correct, pass_rate, lengths, truncated).
-    One engine call draws all P x k samples; each chunk's finished samples are scored while
-    the engine decodes on."""
+    One engine call draws all P x k samples (on every process); each process scores the
+    samples of its ``process_share`` of the problems while the engine decodes on, and the
+    scores of all processes are put together on every process. ``texts`` holds every
+    sample's response with ``all_texts`` (the process writing them), else only the scored
+    ones' ("" elsewhere)."""
     P = len(problems)
+    own = process_share(P)
     texts = [[""] * k for _ in range(P)]
     pending = []
 
     def submit(finished):
-        resp = [tok.decode(f.tokens.tolist(), skip_special_tokens=True) for f in finished]
-        idx = [(f.index // k, f.index % k) for f in finished]
-        for (p, j), text in zip(idx, resp):
-            texts[p][j] = text
-        refs = [problems[p].tests if bench.kind == "code" else problems[p].answer
-                for p, _ in idx]
-        pending.append((idx, scorers.submit(bench.kind, resp, refs)))
+        finished = [f for f in finished if all_texts or f.index // k in own]
+        for f in finished:
+            texts[f.index // k][f.index % k] = tok.decode(f.tokens.tolist(),
+                                                         skip_special_tokens=True)
+        idx = [(f.index // k, f.index % k) for f in finished if f.index // k in own]
+        if idx:
+            refs = [problems[p].tests if bench.kind == "code" else problems[p].answer
+                    for p, _ in idx]
+            pending.append((idx, scorers.submit(bench.kind, [texts[p][j] for p, j in idx],
+                                                refs)))
 
     out = engine.generate(state, [p.prompt_ids for p in problems],
                           setting.sampling_params(k, stop_ids), seed, on_finish=submit)
-    rewards = np.zeros((P, k), np.float32)
-    correct = np.zeros((P, k), bool)
-    pass_rate = np.zeros((P, k), np.float32)
+    rewards = np.zeros((len(own), k), np.float32)
+    correct = np.zeros((len(own), k), bool)
+    pass_rate = np.zeros((len(own), k), np.float32)
     for idx, done in pending:
         s = done()
         for (p, j), a, b, c in zip(idx, s.rewards, s.correct, s.pass_rate):
-            rewards[p, j], correct[p, j], pass_rate[p, j] = a, b, c
+            q = p - own.start
+            rewards[q, j], correct[q, j], pass_rate[q, j] = a, b, c
+    rewards, correct, pass_rate = gather_shares((rewards, correct, pass_rate), P)
     return (texts, rewards, correct, pass_rate, out.lengths.reshape(P, k),
             out.truncated.reshape(P, k))
 
@@ -239,7 +251,8 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
     if any(b.kind == "code" for b in benchmarks):
         scorers.code  # the sandbox's containment check (SandboxUnavailable) before sampling
     results: dict[str, dict] = {b.name: {} for b in benchmarks}
-    if out_dir:
+    writer = bool(out_dir) and jax.process_index() == 0  # one report for all processes
+    if writer:
         os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
     try:
         for s in settings:
@@ -251,7 +264,8 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
                     slots=slots, tokenizer=tok))
                 t0 = time.perf_counter()
                 texts, rewards, correct, pass_rate, lengths, trunc = _sample_and_score(
-                    engine, state, tok, problems[b.name], b, s, k, stop_ids, seed, scorers)
+                    engine, state, tok, problems[b.name], b, s, k, stop_ids, seed, scorers,
+                    all_texts=writer)
                 dt = time.perf_counter() - t0
                 m = {"kind": b.kind, **em.summarize(correct, pass_rate, rewards, lengths, trunc),
                      "time_s": dt, "tokens_per_s": float(lengths.sum()) / max(dt, 1e-9)}
@@ -259,7 +273,7 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
                 if log:
                     log(f"[eval] {b.name} / {s.name}: avg@{k} {m['accuracy']:.4f}  pass_rate "
                         f"{m['pass_rate']:.4f}  pass@{k} {m['pass@k'][str(k)]:.4f}  ({dt:.1f} s)")
-                if out_dir:
+                if writer:
                     _write_samples(os.path.join(out_dir, "samples", f"{b.name}__{s.name}.jsonl"),
                                    b, s, problems[b.name], texts, rewards, correct, pass_rate,
                                    lengths, trunc)
@@ -277,7 +291,7 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
         "benchmarks": {b.name: {"kind": b.kind, "path": b.path, "num_problems": len(problems[b.name]),
                                 "num_samples": b.num_samples} for b in benchmarks},
         "results": results, "wall_time_s": time.perf_counter() - t_start}
-    if out_dir:
+    if writer:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(out, f, indent=2)
     if log:
@@ -299,7 +313,9 @@ def _write_samples(path, b, s, problems, texts, rewards, correct, pass_rate, len
 
 # ------------------------------------------------------------------------------ CLI
 def run(cfg) -> dict:
-    """Validates ``cfg`` (``klear_jax.eval.config`` schema) and evaluates."""
+    """Validates ``cfg`` (``klear_jax.eval.config`` schema) and evaluates (on several
+    processes when KLEAR_COORDINATOR etc. say so: ``sharding.initialize_distributed``)."""
+    shd.initialize_distributed()
     ec.validate_eval_config(cfg, jax.device_count())
     mesh = shd.mesh_from_config(cfg.mesh)
     out_dir = cfg.out_dir or os.path.join(cfg.checkpoint, "eval")

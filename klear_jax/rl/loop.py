@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow_datasets as tfds
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from klear_jax import checkpoint as ckpt
 from klear_jax import config as C
@@ -38,7 +37,7 @@ from klear_jax import sharding as shd
 from klear_jax import train_step as ts
 from klear_jax.data.pipeline import decode_rl_example, rl_prompt_batches
 from klear_jax.data.tokenizer import load_tokenizer
-from klear_jax.engine import Engine
+from klear_jax.engine import Engine, gather_shares, process_share
 from klear_jax.rewards.scorers import Scorers
 from klear_jax.rl import batch as rb
 from klear_jax.rl import metrics as rm
@@ -58,37 +57,18 @@ def has_code_prompts(src, probe: int = 256) -> bool:
 
 
 def build_prompts(cfg, state: dict | None = None):
-    """(this process's share of every global batch of prompts (prompts_per_step is global),
-    positioned at ``state`` when resuming; whether the prompts include code)."""
+    """(every global batch of prompts (prompts_per_step), positioned at ``state`` when
+    resuming; whether the prompts include code). Every process reads the whole batch: the
+    engine decodes all of it on every process, each scores its ``process_share``."""
     d = cfg.data
+    P = cfg.rollout.prompts_per_step
     src = tfds.data_source(d.name, data_dir=d.dir or None)[d.split]
-    it = rl_prompt_batches(src, cfg.rollout.prompts_per_step, seed=cfg.seed, shuffle=d.shuffle,
+    it = rl_prompt_batches(src, P, seed=cfg.seed, shuffle=d.shuffle,
                            num_epochs=d.num_epochs if d.num_epochs > 0 else None,
-                           max_prompt_length=cfg.rollout.max_prompt_len)
+                           max_prompt_length=cfg.rollout.max_prompt_len, rows=range(P))
     if state:
         it.set_state(state)
     return it, has_code_prompts(src)
-
-
-def _all_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """(every process's prompts, in process order; where this process's start). The engine's
-    host loop decides refills from the tokens it reads back, so every process must run it
-    on the same prompts to make the same jitted calls."""
-    if jax.process_count() == 1:
-        return prompts, 0
-    width = _max_over_processes(max(map(len, prompts)))
-    rows = np.zeros((len(prompts), width + 1), np.int32)  # length, then tokens
-    for i, p in enumerate(prompts):
-        rows[i, 0], rows[i, 1:1 + len(p)] = len(p), p
-    everyone = np.asarray(multihost_utils.process_allgather(rows))  # [procs, P, width + 1]
-    flat = [r[1:1 + r[0]].tolist() for proc in everyone for r in proc]
-    return flat, jax.process_index() * len(prompts)
-
-
-def _max_over_processes(n: int) -> int:
-    if jax.process_count() == 1:
-        return n
-    return int(np.max(multihost_utils.process_allgather(np.asarray(n))))
 
 
 class RLStep:
@@ -97,7 +77,7 @@ class RLStep:
     def __init__(self, cfg, mesh, graphdef, optimizer, schedule, shardings, tok, model_cfg):
         ro, tr = cfg.rollout, cfg.train
         self.cfg, self.mesh, self.tok = cfg, mesh, tok
-        self.G, self.n_proc = ro.group_size, jax.process_count()
+        self.G = ro.group_size
         self.pad_id, stop_ids = policy.special_ids(tok, model_cfg.vocab_size)
         self.engine = Engine(graphdef, mesh=mesh, pad_id=self.pad_id,
                              max_prompt_len=ro.max_prompt_len,
@@ -112,50 +92,55 @@ class RLStep:
         self.logp_fn = build_logprob_fn(cfg, graphdef, mesh, shardings)
         self.scorers = Scorers(C.math_reward_config(cfg), C.code_reward_config(cfg))
         self.bsh = ts.batch_sharding(mesh)
-        self.mb_rows = minibatch_rows(cfg) // self.n_proc
+        self.mb_rows = minibatch_rows(cfg)
         self.verl_rows = verl_rows_per_device(cfg)
-        self.batch_prompts = tr.batch_prompts // self.n_proc
+        self.batch_prompts = tr.batch_prompts
         self.cap = ro.max_prompt_len + ro.max_new_tokens
 
     # ------------------------------------------------------------------ phases
     def rollout(self, params, records, seed: int) -> tuple[Rollout, GroupScoring | None]:
-        """The responses, and (overlapped scoring) their scores in flight."""
+        """The responses to every prompt of the global batch (every process decodes all of
+        them), and (overlapped scoring) the scores of this process's share in flight."""
         t0 = time.perf_counter()
         prompts = [r["prompt_ids"].tolist() for r in records]
+        own = process_share(len(records))
         lc = self.cfg.loss
-        scoring = (GroupScoring(self.scorers, records, self.G, self.tok, lc.adv_estimator,
-                                lc.adv_use_std) if self.cfg.rollout.overlap_scoring else None)
-        everyone, first = _all_prompts(prompts)  # every process decodes all prompts
-        lo, hi = first * self.G, (first + len(prompts)) * self.G
+        scoring = (GroupScoring(self.scorers, records[own.start:own.stop], self.G, self.tok,
+                                lc.adv_estimator, lc.adv_use_std)
+                   if self.cfg.rollout.overlap_scoring else None)
+        lo, hi = own.start * self.G, own.stop * self.G
 
-        def mine(finished):  # score this process's samples, indexed locally
+        def mine(finished):  # score this process's samples, indexed within its share
             scoring.add([dataclasses.replace(f, index=f.index - lo,
-                                             prompt_index=f.prompt_index - first)
+                                             prompt_index=f.prompt_index - own.start)
                          for f in finished if lo <= f.index < hi])
         weights = self.cast(params) if self.cast is not None else params  # freed after
-        out = self.engine.generate(nnx.State(weights), everyone, self.sparams, seed,
+        out = self.engine.generate(nnx.State(weights), prompts, self.sparams, seed,
                                    on_finish=mine if scoring else None)
         del weights
         rows = slice(lo, hi)
         texts = Sampler.decode_text(dataclasses.replace(out, tokens=out.tokens[rows],
                                                         lengths=out.lengths[rows]), self.tok)
-        return Rollout(records, prompts, out.tokens[rows], out.logprobs[rows],
-                       out.lengths[rows], out.truncated[rows], texts,
-                       time.perf_counter() - t0), scoring
+        return Rollout(records, prompts, out.tokens, out.logprobs, out.lengths, out.truncated,
+                       own, texts, time.perf_counter() - t0), scoring
 
     def score(self, ro: Rollout, scoring: GroupScoring | None):
-        """(rewards, correct, advantages), each [P, G]."""
+        """(rewards, correct, advantages), each [P, G] over the global batch: this process
+        scores its share (group advantages as its groups complete), then the shares of all
+        processes are put together."""
         if scoring is None:
-            scoring = GroupScoring(self.scorers, ro.records, self.G, self.tok,
-                                   self.cfg.loss.adv_estimator, self.cfg.loss.adv_use_std)
+            scoring = GroupScoring(self.scorers, ro.records[ro.own.start:ro.own.stop], self.G,
+                                   self.tok, self.cfg.loss.adv_estimator,
+                                   self.cfg.loss.adv_use_std)
             scoring.submit(range(len(ro.texts)), ro.texts)
-        return scoring.result()
+        return gather_shares(scoring.result(), len(ro.records))
 
     def build_minibatches(self, ro: Rollout, adv, rewards, correct):
-        """(host mini-batches, kept group indices, has-signal mask [P], row length).
+        """(global host mini-batches, kept group indices, has-signal mask [P], row length),
+        the same on every process (each device later takes its rows).
 
-        ``train.partial_minibatch = "drop"`` keeps whole mini-batches of groups only (per
-        process); ``loss.normalize = "microbatch"`` adds each mini-batch's verl scales."""
+        ``train.partial_minibatch = "drop"`` keeps whole mini-batches of groups only;
+        ``loss.normalize = "microbatch"`` adds each mini-batch's verl scales."""
         lc, G = self.cfg.loss, self.G
         kept, signal = rb.select_groups(rewards, self.batch_prompts, lc.filter_zero_adv,
                                         correct=correct if lc.filter_by == "correct" else None)
@@ -163,14 +148,11 @@ class RLStep:
             kept = kept[:len(kept) // (self.mb_rows // G) * (self.mb_rows // G)]
         needed = max((len(ro.prompts[p]) + int(ro.lengths[p * G + g])
                       for p in kept for g in range(G)), default=1)
-        seq_len = rb.bucket_length(_max_over_processes(needed), self.cfg.train.length_bucket,
-                                   self.cap)
+        seq_len = rb.bucket_length(needed, self.cfg.train.length_bucket, self.cap)
         batch = rb.build_train_batch([np.asarray(p) for p in ro.prompts], ro.tokens, ro.lengths,
                                      ro.truncated, ro.logprobs, adv, correct, kept, seq_len,
                                      self.pad_id, lc.overlong_filter)
         mbs = rb.split_minibatches(batch, self.mb_rows, self.pad_id)
-        n_upd = _max_over_processes(len(mbs))  # every process runs the same updates
-        mbs += [rb.empty_rows(self.mb_rows, seq_len, self.pad_id) for _ in range(n_upd - len(mbs))]
         if lc.normalize == "microbatch":
             for mb in mbs:
                 mb["pg_scale"], mb["sft_scale"] = rb.verl_microbatch_scales(
@@ -182,8 +164,7 @@ class RLStep:
         stats (all mini-batches first: every update of the step ratios against them)."""
         dev_mbs, stats = [], []
         for mb in mbs:
-            g = {k: jax.make_array_from_process_local_data(self.bsh, np.asarray(v))
-                 for k, v in mb.items()}
+            g = {k: jax.device_put(np.asarray(v), self.bsh) for k, v in mb.items()}
             old, s = self.logp_fn(params, g)
             g.pop("sampler_logp")
             g["old_logp"] = old
@@ -219,7 +200,11 @@ def run(cfg) -> dict:
             model_cfg = t.model_config(**C.runtime_model_fields(cfg))
             graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
             abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
-            state, extra, rng = t.restore(abstract_state, with_rng=True)
+            state, extra, _ = t.restore(abstract_state)
+            if "rng" not in extra:  # saved before the key moved into the JSON item
+                _, _, rng = t.restore(abstract_state, with_rng=True)
+            else:
+                rng = jax.random.wrap_key_data(np.asarray(extra["rng"], np.uint32))
             # Checkpoints are numbered by RL step; the update count travels in the JSON item.
             rl_step, data_state = int(state.step), extra["iterator"]
             state = dataclasses.replace(state, step=jax.device_put(
@@ -236,9 +221,12 @@ def run(cfg) -> dict:
             steps.scorers.code
 
         def save():
-            extra = {"iterator": data.get_state(), "rl_step": rl_step, "updates": int(state.step)}
+            # The key in the JSON item, not as an array item: an array saved by N processes
+            # restores only onto N processes without a target sharding.
+            extra = {"iterator": data.get_state(), "rl_step": rl_step, "updates": int(state.step),
+                     "rng": np.asarray(jax.random.key_data(rng)).tolist()}
             t.checkpointer.save(dataclasses.replace(state, step=rl_step), data_iter=extra,
-                                rng=rng, config=cfg, model_config=model_cfg)
+                                config=cfg, model_config=model_cfg)
 
         t.start(rl_step)
         m = {}
@@ -270,9 +258,8 @@ def run(cfg) -> dict:
                 m.update(rm.mean_update_metrics(ums))
                 m.update(rm.logprob_metrics(stats))
                 m["rollout/positive_frac"] = float(correct.mean())
-                real = float(sum(int((mb["segment_ids"] > 0).sum()) for mb in mbs)) * steps.n_proc
-                m.update({"perf/sample_tokens_per_s": float(ro.lengths.sum()) * steps.n_proc
-                          / ro.seconds,
+                real = float(sum(int((mb["segment_ids"] > 0).sum()) for mb in mbs))
+                m.update({"perf/sample_tokens_per_s": float(ro.lengths.sum()) / ro.seconds,
                           "perf/train_tokens_per_s": real / t_train if t_train > 0 else 0.0,
                           "time/sample_s": ro.seconds, "time/score_s": t_score,
                           "time/old_logp_s": t_logp, "time/train_s": t_train,

@@ -27,14 +27,16 @@ from klear_jax.rl import metrics as rm
 
 @dataclasses.dataclass
 class Rollout:
-    """G responses to each of this process's P prompts; response p * G + g answers p."""
+    """G responses to each of the P prompts of the global batch (every process holds all of
+    them); response p * G + g answers p. This process scores the prompts ``own``."""
     records: list[dict]
     prompts: list[list[int]]
     tokens: np.ndarray       # int32 [P*G, M]
     logprobs: np.ndarray     # float32 [P*G, M] the sampler's
     lengths: np.ndarray      # int32 [P*G]
     truncated: np.ndarray    # bool [P*G]
-    texts: list[str]
+    own: range               # this process's prompts (engine.process_share)
+    texts: list[str]         # the responses to its own prompts, in order
     seconds: float
 
 
