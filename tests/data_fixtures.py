@@ -44,3 +44,14 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tok(tok_dir):
     return tk.load_tokenizer(tok_dir)
+
+
+@pytest.fixture(scope="session")
+def sft_dataset(tmp_path_factory, tok_dir):
+    """A TFDS dir holding ``tiny_sft``: 64 generated chat records, prepared with tok_dir."""
+    from klear_jax.data.prepare import prepare
+    d = tmp_path_factory.mktemp("sft_data")
+    rng = random.Random(0)
+    src = write_jsonl(d / "train.jsonl", [sft_record(rng, True) for _ in range(64)])
+    prepare([src], str(d / "tfds"), "tiny_sft", "sft", tok_dir)
+    return str(d / "tfds")

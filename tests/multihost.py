@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
 
@@ -197,21 +195,6 @@ def cache_env(xla_cache: str) -> dict[str, str]:
     """Env for a shared persistent compilation cache (process 0 writes, the others read)."""
     return {"JAX_COMPILATION_CACHE_DIR": str(xla_cache),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-
-
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """One persistent compilation cache for this test process and every launched process
-    (pass ``cache_env(xla_cache)`` to the jobs)."""
-    import jax
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield path
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
 
 
 # `python -c AUDITED DIR PRELUDE -m MODULE ARGS...`: runs MODULE as __main__ (its real entry

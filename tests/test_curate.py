@@ -13,7 +13,7 @@ from klear_jax.config import ConfigError
 from klear_jax.curate import label as L
 from klear_jax.curate import pipeline as C
 from klear_jax.curate import steps as S
-from klear_jax.curate.config import curate_base, source, validate_curate_config
+from klear_jax.curate.config import curate_base, validate_curate_config
 from klear_jax.data.records import RawRecord, RecordError
 from tests.data_fixtures import sample_text, tok_dir, write_jsonl  # noqa: F401
 

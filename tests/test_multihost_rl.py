@@ -38,8 +38,8 @@ import pytest
 
 from klear_jax import config as cu
 from klear_jax.metrics import read_jsonl
-from multihost import (MultiHost, ROOT, audit_report, audited, cache_env, cli_args,  # noqa: F401
-                       describe, has_lines, xla_cache)
+from multihost import (MultiHost, ROOT, audit_report, audited, cache_env, cli_args, describe,
+                       has_lines)
 
 RL_CONFIG = os.path.join(ROOT, "configs", "gppo_tiny.py") + ":vocab=320"
 EVAL_CONFIG = os.path.join(ROOT, "configs", "eval_tiny.py") + ":k=2,max_new=40"
@@ -90,7 +90,7 @@ def _write(path, rows):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, xla_cache):  # noqa: F811
+def world(tmp_path_factory, xla_cache):
     """Tokenizer, a mixed math / code RL prompt set (TFDS), eval files (4 math, 4 code) and
     the SFT policy (60 steps of configs/sft_tiny.py, in this process)."""
     from klear_jax import sft
@@ -140,7 +140,7 @@ def rl_here(world, workdir, steps, every=2) -> dict:
                                      [f"{k}={json.dumps(v)}" for k, v in kw.items()]))
 
 
-def rl_job(world, logs, xla_cache, workdir, steps, every=2) -> MultiHost:  # noqa: F811
+def rl_job(world, logs, xla_cache, workdir, steps, every=2) -> MultiHost:
     """``python -m klear_jax.rl`` as 2 processes x 4 devices, its scoring and process 1's
     writes audited."""
     args = cli_args("klear_jax.rl", RL_CONFIG, rl_overrides(world, workdir, steps, every))
@@ -197,7 +197,7 @@ def global_batches(world, steps) -> list[list[dict]]:
     return [next(it) for _ in range(steps)]
 
 
-def test_rl_two_processes_equal_one_and_resume_on_one(world, reference, xla_cache, tmp_path):  # noqa: F811
+def test_rl_two_processes_equal_one_and_resume_on_one(world, reference, xla_cache, tmp_path):
     """2 x 4 devices, 2 steps: the same step metrics as 1 x 8 (module docstring); each
     process scored exactly the G = 8 responses of each prompt of its half of every global
     batch (math with math-verify, code in its own sandbox), nothing else; only process 0
@@ -235,7 +235,7 @@ def test_rl_two_processes_equal_one_and_resume_on_one(world, reference, xla_cach
 
 
 @pytest.mark.slow
-def test_rl_sigterm_to_one_process_stops_all_at_one_step(world, reference, xla_cache, tmp_path):  # noqa: F811
+def test_rl_sigterm_to_one_process_stops_all_at_one_step(world, reference, xla_cache, tmp_path):
     """SIGTERM to process 1 alone mid-run: both processes save the same RL step and exit 0;
     the run resumed from there on 2 processes equals the uninterrupted one."""
     import re
@@ -270,7 +270,7 @@ def eval_overrides(world, out_dir) -> dict:
             "benchmarks.code.path": str(world / "code.jsonl"), "out_dir": str(out_dir)}
 
 
-def test_eval_two_processes_one_report_equal_to_one(world, xla_cache, tmp_path):  # noqa: F811
+def test_eval_two_processes_one_report_equal_to_one(world, xla_cache, tmp_path):
     """``python -m klear_jax.eval`` on 2 x 4 devices: every process samples all problems on the
     global mesh and scores its half (process 0 problems 0-1, process 1 problems 2-3 of each
     benchmark, every setting); process 0 alone writes results.json and samples/, process 1

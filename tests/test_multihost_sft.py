@@ -10,38 +10,28 @@ show that the entry point really trains on those global batches.
 """
 import json
 import os
-import random
 import re
 import shutil
 import signal
 
 import pytest
 
-from data_fixtures import sft_record, tok_dir, write_jsonl  # noqa: F401 (fixture)
+from data_fixtures import sft_dataset, tok_dir  # noqa: F401 (fixtures)
 from klear_jax import config as cu, sft
 from klear_jax.metrics import read_jsonl
-from multihost import (MultiHost, ROOT, cache_env, cli_args, describe, has_lines,  # noqa: F401
-                       xla_cache)
+from multihost import MultiHost, ROOT, cache_env, cli_args, describe, has_lines
 
 TINY = os.path.join(ROOT, "configs", "sft_tiny.py") + ":vocab=384"
 EXACT = ("tokens", "batch_tokens", "lr", "skipped")  # integers / schedule: equal
 CLOSE = ("loss", "grad_norm")                         # float32 sums: equal up to order
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory, tok_dir):  # noqa: F811
-    from klear_jax.data.prepare import prepare
-    d = tmp_path_factory.mktemp("sft_data")
-    rng = random.Random(0)
-    src = write_jsonl(d / "train.jsonl", [sft_record(rng, True) for _ in range(64)])
-    prepare([src], str(d / "tfds"), "tiny_sft", "sft", tok_dir)
-    return str(d / "tfds")
 
 
-def overrides(workdir, dataset, steps, every=3, **kw) -> dict:
+def overrides(workdir, sft_dataset, steps, every=3, **kw) -> dict:
     # decay_steps fixed: the LR schedule must not depend on total_steps, so a run stopped
     # early and resumed compares step by step with a longer one
-    out = {"workdir": str(workdir), "data.dir": dataset, "data.name": "tiny_sft",
+    out = {"workdir": str(workdir), "data.dir": sft_dataset, "data.name": "tiny_sft",
            "optim.decay_steps": 50, "train.total_steps": steps,
            "checkpoint.every_steps": every, "checkpoint.keep": 5}
     out.update(kw)
@@ -97,32 +87,32 @@ EPOCHS = {"data.num_epochs": 2}  # 2 epochs of the 64 records: 8 steps, then "da
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, dataset, xla_cache):
+def reference(tmp_path_factory, sft_dataset, xla_cache):
     """The uninterrupted job, 1 process x 8 devices: 2 epochs (8 steps), checkpoints at 3, 6
     and 8. Every token of every record is trained on exactly twice (each record's length
     capped at seq_len, summed: the batch_tokens of all steps)."""
     import tensorflow_datasets as tfds
     w = tmp_path_factory.mktemp("ref") / "w"
-    out = run_here(**overrides(w, dataset, 100, **EPOCHS))
+    out = run_here(**overrides(w, sft_dataset, 100, **EPOCHS))
     assert out["stopped"] == "data_exhausted" and out["step"] == 8
-    src = tfds.data_source("tiny_sft", data_dir=dataset)["train"]
+    src = tfds.data_source("tiny_sft", data_dir=sft_dataset)["train"]
     tokens = sum(min(len(src[i]["input_ids"]), 64) for i in range(len(src)))
     assert sum(r["batch_tokens"] for r in rows(w)) == 2 * tokens
     return str(w)
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, dataset, xla_cache):
+def two_process_run(tmp_path_factory, sft_dataset, xla_cache):
     """The first 3 steps of the same job as 2 processes x 4 devices (checkpoint at 3)."""
     base = tmp_path_factory.mktemp("two")
     w = str(base / "w")
-    with sft_job(base / "logs", xla_cache, **overrides(w, dataset, 3, **EPOCHS)) as job:
+    with sft_job(base / "logs", xla_cache, **overrides(w, sft_dataset, 3, **EPOCHS)) as job:
         results = job.wait()
     assert all(r.returncode == 0 for r in results), describe(results)
     return w, results
 
 
-def test_two_processes_equal_one_and_resume_on_one(two_process_run, reference, dataset,
+def test_two_processes_equal_one_and_resume_on_one(two_process_run, reference, sft_dataset,
                                                     xla_cache, tmp_path):
     """2 x 4 devices: the same per-step loss / grad norm / token counts as 1 x 8 and the same
     saved data position; its checkpoint, restored by 1 process, continues like the
@@ -142,32 +132,32 @@ def test_two_processes_equal_one_and_resume_on_one(two_process_run, reference, d
 
     resumed = str(tmp_path / "w")
     shutil.copytree(w, resumed)
-    out = run_here(**overrides(resumed, dataset, 100, **EPOCHS))
+    out = run_here(**overrides(resumed, sft_dataset, 100, **EPOCHS))
     assert out["step"] == 8 and out["stopped"] == "data_exhausted"
     assert_rows_match(rows(resumed), ref)
 
 
 @pytest.mark.slow
-def test_two_process_checkpoint_restores_on_another_mesh(two_process_run, reference, dataset,
+def test_two_process_checkpoint_restores_on_another_mesh(two_process_run, reference, sft_dataset,
                                                          xla_cache, tmp_path):
     """Saved by 2 processes on fsdp=8, resumed by 2 processes on data=2 x fsdp=2 x tensor=2:
     the remaining steps match the uninterrupted run (within float32 summation noise)."""
     w = str(tmp_path / "w")
     shutil.copytree(two_process_run[0], w)
     with sft_job(tmp_path / "logs", xla_cache, **overrides(
-            w, dataset, 100, **EPOCHS, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})) as job:
+            w, sft_dataset, 100, **EPOCHS, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})) as job:
         results = job.wait()
     assert all(r.returncode == 0 for r in results), describe(results)
     assert "resumed from" in results[1].output
     assert_rows_match(rows(w), rows(reference))
 
 
-def test_sigterm_to_one_process_stops_all_at_one_step(dataset, xla_cache, tmp_path):
+def test_sigterm_to_one_process_stops_all_at_one_step(sft_dataset, xla_cache, tmp_path):
     """SIGTERM to process 1 alone: both processes save the same step and exit 0; the run
     resumed from there equals an uninterrupted one."""
     w = str(tmp_path / "w")
     metrics = os.path.join(w, "metrics.jsonl")
-    with sft_job(tmp_path / "logs", xla_cache, **overrides(w, dataset, 500, every=1000)) as job:
+    with sft_job(tmp_path / "logs", xla_cache, **overrides(w, sft_dataset, 500, every=1000)) as job:
         started = job.wait_until(has_lines(metrics, 2))
         assert started, describe(job.wait())
         job.signal(1, signal.SIGTERM)
@@ -180,11 +170,11 @@ def test_sigterm_to_one_process_stops_all_at_one_step(dataset, xla_cache, tmp_pa
     assert 2 <= k < 500 and steps == [k]
     assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, k + 1))
 
-    with sft_job(tmp_path / "logs2", xla_cache, **overrides(w, dataset, k + 2, every=1000)) as job:
+    with sft_job(tmp_path / "logs2", xla_cache, **overrides(w, sft_dataset, k + 2, every=1000)) as job:
         results = job.wait()
     assert all(r.returncode == 0 for r in results), describe(results)
     straight = str(tmp_path / "straight")
-    run_here(**overrides(straight, dataset, k + 2, every=1000))
+    run_here(**overrides(straight, sft_dataset, k + 2, every=1000))
     assert_rows_match(read_jsonl(metrics), rows(straight))
 
 
@@ -197,14 +187,14 @@ LOST = {1: re.compile(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s
 
 
 @pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])
-def test_killed_process_makes_the_other_fail_naming_it(victim, dataset, xla_cache, tmp_path):
+def test_killed_process_makes_the_other_fail_naming_it(victim, sft_dataset, xla_cache, tmp_path):
     """SIGKILL to one process mid-run: the other exits non-zero by itself (the harness would
     kill it 150 s after the death) with an error naming the lost process. The heartbeat
     timeout is 30 s here (KLEAR_HEARTBEAT_TIMEOUT_S; JAX's default 100 s bounds it on a pod)."""
     w = str(tmp_path / "w")
     metrics = os.path.join(w, "metrics.jsonl")
     with sft_job(tmp_path / "logs", xla_cache, env={"KLEAR_HEARTBEAT_TIMEOUT_S": "30"},
-                 **overrides(w, dataset, 100000, every=100000)) as job:
+                 **overrides(w, sft_dataset, 100000, every=100000)) as job:
         started = job.wait_until(has_lines(metrics, 1))
         assert started, describe(job.wait())
         job.signal(victim, signal.SIGKILL)

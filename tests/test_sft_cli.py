@@ -1,16 +1,13 @@
-"""The SFT entry point end to end on a tiny generated TFDS dataset: exact resume, SIGTERM."""
+"""The SFT entry point end to end on a tiny generated TFDS sft_dataset: exact resume, SIGTERM."""
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 
-import jax
-import pytest
 
-from data_fixtures import sft_record, tok_dir, write_jsonl  # noqa: F401 (fixture)
+from data_fixtures import sft_dataset, tok_dir  # noqa: F401 (fixtures)
 from klear_jax import config as cu, sft
 from klear_jax.metrics import read_jsonl
 
@@ -18,31 +15,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "sft_tiny.py")
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory, tok_dir):  # noqa: F811
-    from klear_jax.data.prepare import prepare
-    d = tmp_path_factory.mktemp("sft_data")
-    rng = random.Random(0)
-    src = write_jsonl(d / "train.jsonl", [sft_record(rng, True) for _ in range(64)])
-    prepare([src], str(d / "tfds"), "tiny_sft", "sft", tok_dir)
-    return str(d / "tfds")
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A persistent XLA cache so the repeated runs of one program compile once."""
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield path
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
 
 
-def overrides(workdir, dataset, **kw):
-    base = {"workdir": workdir, "data.dir": dataset, "data.name": "tiny_sft",
+def overrides(workdir, sft_dataset, **kw):
+    base = {"workdir": workdir, "data.dir": sft_dataset, "data.name": "tiny_sft",
             "optim.decay_steps": 50, "checkpoint.async_save": True}
     base.update(kw)
     return base
@@ -53,15 +31,15 @@ def config(**kw):
     return cu.apply_overrides(c, [f"{k}={json.dumps(v)}" for k, v in kw.items()])
 
 
-def test_resume_equals_uninterrupted(tmp_path, dataset, compile_cache):
-    straight = sft.run(config(**overrides(str(tmp_path / "a"), dataset,
+def test_resume_equals_uninterrupted(tmp_path, sft_dataset, xla_cache):
+    straight = sft.run(config(**overrides(str(tmp_path / "a"), sft_dataset,
                                           **{"train.total_steps": 4, "checkpoint.every_steps": 2})))
     assert straight["stopped"] == "done" and straight["step"] == 4
     b = str(tmp_path / "b")
-    first = sft.run(config(**overrides(b, dataset, **{"train.total_steps": 2,
+    first = sft.run(config(**overrides(b, sft_dataset, **{"train.total_steps": 2,
                                                        "checkpoint.every_steps": 2})))
     assert first["step"] == 2
-    second = sft.run(config(**overrides(b, dataset, **{"train.total_steps": 4,
+    second = sft.run(config(**overrides(b, sft_dataset, **{"train.total_steps": 4,
                                                         "checkpoint.every_steps": 2})))
     assert second["step"] == 4
     rows_a = read_jsonl(os.path.join(tmp_path / "a", "metrics.jsonl"))
@@ -74,11 +52,11 @@ def test_resume_equals_uninterrupted(tmp_path, dataset, compile_cache):
     assert os.path.isdir(os.path.join(b, "tb"))
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, dataset, compile_cache):
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, sft_dataset, xla_cache):
     w = str(tmp_path / "w")
-    args = [f"--config.{k}={v}" for k, v in overrides(w, dataset, **{
+    args = [f"--config.{k}={v}" for k, v in overrides(w, sft_dataset, **{
         "train.total_steps": 500, "checkpoint.every_steps": 1000}).items()]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=compile_cache,
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=xla_cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     p = subprocess.Popen([sys.executable, "-m", "klear_jax.sft", f"--config={TINY}:vocab=384"]
@@ -99,7 +77,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, dataset, compile
     k = steps[-1]
     assert 2 <= k < 500 and len(read_jsonl(metrics)) == k
 
-    res = sft.run(config(**overrides(w, dataset, **{"train.total_steps": k + 2,
+    res = sft.run(config(**overrides(w, sft_dataset, **{"train.total_steps": k + 2,
                                                      "checkpoint.every_steps": 1000})))
     assert res["step"] == k + 2 and res["stopped"] == "done"
     assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, k + 3))
