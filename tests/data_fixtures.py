@@ -2,7 +2,9 @@
 generated JSONL records (math-like SFT conversations, RL math and code problems)."""
 import json
 import random
+from typing import Iterator
 
+import numpy as np
 import pytest
 
 from klear_jax.data import tokenizer as tk
@@ -55,3 +57,19 @@ def sft_dataset(tmp_path_factory, tok_dir):
     src = write_jsonl(d / "train.jsonl", [sft_record(rng, True) for _ in range(64)])
     prepare([src], str(d / "tfds"), "tiny_sft", "sft", tok_dir)
     return str(d / "tfds")
+
+
+def iterate_sequences(batch: dict[str, np.ndarray]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Recovers (row, token ids [L], response-token mask [L]) per packed segment of a batch.
+
+    The mask marks tokens that were response tokens in the record, except a segment's first
+    token (it is never a target).
+    """
+    for r in range(batch["input_ids"].shape[0]):
+        seg = batch["segment_ids"][r]
+        for s in np.unique(seg[seg > 0]):
+            idx = np.nonzero(seg == s)[0]
+            ids = batch["input_ids"][r, idx]
+            mask = np.zeros(len(idx), np.float32)
+            mask[1:] = batch["loss_mask"][r, idx[:-1]]
+            yield r, ids, mask

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from data_fixtures import sft_record, tok, tok_dir, write_jsonl  # noqa: F401  (fixtures)
+from data_fixtures import iterate_sequences, sft_record, tok, tok_dir, write_jsonl  # noqa: F401  (fixtures)
 from klear_jax.data import prepare as P
-from klear_jax.data.pipeline import iterate_sequences, rl_prompt_batches, sft_batches
+from klear_jax.data.pipeline import rl_prompt_batches, sft_batches
 from klear_jax.data.records import RecordError
 
 

@@ -21,7 +21,7 @@ Packing may put sequences of consecutive epochs in the same row (grain's "epoch 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import grain
 import numpy as np
@@ -121,8 +121,8 @@ def sft_batches(data_source, batch_size: int, seq_len: int, seed: int = 0, shuff
       segment), segment_ids int32 (1.. per row, 0 = padding), positions int32 (restart at 0
       for every segment).
     The global batches are the same for any process count (see the module docstring).
-    Sequences longer than seq_len are truncated or dropped (`overlong`); `count_overlong`
-    counts them. num_epochs=None repeats forever. The last global batch of a finite run is
+    Sequences longer than seq_len are truncated or dropped (`overlong`). num_epochs=None
+    repeats forever. The last global batch of a finite run is
     padded with empty rows (segment_ids 0, no loss), so every record is trained on once per
     epoch. rows: the global rows to materialise (see local_rows / process_rows); default an
     even split by process_index/count (default jax.process_index()/process_count()).
@@ -151,21 +151,6 @@ def sft_batches(data_source, batch_size: int, seq_len: int, seed: int = 0, shuff
     info = dict(batch_size=batch_size, seq_len=seq_len, seed=seed, overlong=overlong,
                 rows=mine.tolist())
     return CheckpointableIterator(iter(batches), info)
-
-
-def count_overlong(data_source, seq_len: int, process_index: int | None = None,
-                   process_count: int | None = None, length_key: str = "length") -> dict[str, int]:
-    """One pass over this process's shard: {'sequences', 'overlong'} (those longer than seq_len).
-
-    Uses the stored `length` feature when present, else the input_ids length.
-    """
-    ds = _shard(grain.MapDataset.source(data_source), process_index, process_count)
-    n = over = 0
-    for ex in ds:
-        length = int(ex[length_key]) if length_key in ex else len(ex["input_ids"])
-        n += 1
-        over += length > seq_len
-    return {"sequences": n, "overlong": over}
 
 
 def _decode_text(x) -> str:
@@ -206,19 +191,3 @@ def rl_prompt_batches(data_source, num_prompts: int, seed: int = 0, shuffle: boo
         lambda b: [decode_rl_example(b[i]) for i in mine])
     return CheckpointableIterator(iter(batches), dict(num_prompts=num_prompts, seed=seed,
                                                       rows=mine))
-
-
-def iterate_sequences(batch: dict[str, np.ndarray]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Recovers (row, token ids [L], response-token mask [L]) per packed segment of a batch.
-
-    The mask marks tokens that were response tokens in the record, except a segment's first
-    token (it is never a target). Used by tests and debugging.
-    """
-    for r in range(batch["input_ids"].shape[0]):
-        seg = batch["segment_ids"][r]
-        for s in np.unique(seg[seg > 0]):
-            idx = np.nonzero(seg == s)[0]
-            ids = batch["input_ids"][r, idx]
-            mask = np.zeros(len(idx), np.float32)
-            mask[1:] = batch["loss_mask"][r, idx[:-1]]
-            yield r, ids, mask
