@@ -262,6 +262,24 @@ def describe(results: Sequence[ProcResult], n: int = 4000) -> str:
     return "\n".join(r.tail(n) for r in results)
 
 
+def sigterm_one_process(job: "MultiHost", metrics: str | os.PathLike, rows_first: int) -> int:
+    """Once ``metrics`` holds ``rows_first`` rows, SIGTERMs process 1 alone; asserts every
+    process exits 0 after saving the same step (and nothing after it) and returns that
+    step."""
+    import re
+    started = job.wait_until(has_lines(metrics, rows_first))
+    assert started, describe(job.wait())
+    job.signal(1, signal.SIGTERM)
+    results = job.wait()
+    assert all(r.returncode == 0 and not r.killed for r in results), describe(results)
+    said = [re.findall(r"SIGTERM: saved a checkpoint at step (\d+)", r.output) for r in results]
+    assert len(said[0]) == 1 and all(s == said[0] for s in said), said
+    step = int(said[0][0])
+    with open(metrics) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, step + 1))
+    return step
+
+
 def run_job(args: Sequence[str], **kw) -> list[ProcResult]:
     """Runs a job to completion and asserts that every process exited 0."""
     with MultiHost(args, **kw) as job:

@@ -32,14 +32,13 @@ import json
 import os
 import random
 import shutil
-import signal
 
 import pytest
 
 from klear_jax import config as cu
 from klear_jax.metrics import read_jsonl
 from multihost import (MultiHost, ROOT, audit_report, audited, cache_env, cli_args, describe,
-                       has_lines)
+                       sigterm_one_process)
 
 RL_CONFIG = os.path.join(ROOT, "configs", "gppo_tiny.py") + ":vocab=320"
 EVAL_CONFIG = os.path.join(ROOT, "configs", "eval_tiny.py") + ":k=2,max_new=40"
@@ -238,19 +237,10 @@ def test_rl_two_processes_equal_one_and_resume_on_one(world, reference, xla_cach
 def test_rl_sigterm_to_one_process_stops_all_at_one_step(world, reference, xla_cache, tmp_path):
     """SIGTERM to process 1 alone mid-run: both processes save the same RL step and exit 0;
     the run resumed from there on 2 processes equals the uninterrupted one."""
-    import re
     w = tmp_path / "w"
     with rl_job(world, tmp_path / "logs", xla_cache, w, 100, every=1000) as job:
-        started = job.wait_until(has_lines(w / "metrics.jsonl", 1))
-        assert started, describe(job.wait())
-        job.signal(1, signal.SIGTERM)
-        results = job.wait()
-    assert all(r.returncode == 0 and not r.killed for r in results), describe(results)
-    said = [re.findall(r"SIGTERM: saved a checkpoint at step (\d+)", r.output) for r in results]
-    assert len(said[0]) == 1 and said[0] == said[1], said
-    k = int(said[0][0])
+        k = sigterm_one_process(job, w / "metrics.jsonl", 1)
     assert 1 <= k < 100 and sorted(os.listdir(w / "checkpoints")) == [str(k)]
-    assert [r["step"] for r in rows(w)] == list(range(1, k + 1))
 
     with rl_job(world, tmp_path / "logs2", xla_cache, w, k + 1, every=1000) as job:
         results = job.wait()

@@ -19,7 +19,8 @@ import pytest
 from data_fixtures import sft_dataset, tok_dir  # noqa: F401 (fixtures)
 from klear_jax import config as cu, sft
 from klear_jax.metrics import read_jsonl
-from multihost import MultiHost, ROOT, cache_env, cli_args, describe, has_lines
+from multihost import (MultiHost, ROOT, cache_env, cli_args, describe, has_lines,
+                       sigterm_one_process)
 
 TINY = os.path.join(ROOT, "configs", "sft_tiny.py") + ":vocab=384"
 EXACT = ("tokens", "batch_tokens", "lr", "skipped")  # integers / schedule: equal
@@ -158,17 +159,9 @@ def test_sigterm_to_one_process_stops_all_at_one_step(sft_dataset, xla_cache, tm
     w = str(tmp_path / "w")
     metrics = os.path.join(w, "metrics.jsonl")
     with sft_job(tmp_path / "logs", xla_cache, **overrides(w, sft_dataset, 500, every=1000)) as job:
-        started = job.wait_until(has_lines(metrics, 2))
-        assert started, describe(job.wait())
-        job.signal(1, signal.SIGTERM)
-        results = job.wait()
-    assert all(r.returncode == 0 and not r.killed for r in results), describe(results)
-    said = [re.findall(r"SIGTERM: saved a checkpoint at step (\d+)", r.output) for r in results]
-    assert len(said[0]) == 1 and said[0] == said[1], said
-    k = int(said[0][0])
+        k = sigterm_one_process(job, metrics, 2)
     steps = sorted(int(s) for s in os.listdir(os.path.join(w, "checkpoints")) if s.isdigit())
     assert 2 <= k < 500 and steps == [k]
-    assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, k + 1))
 
     with sft_job(tmp_path / "logs2", xla_cache, **overrides(w, sft_dataset, k + 2, every=1000)) as job:
         results = job.wait()
