@@ -184,6 +184,18 @@ def _num_warps(bs: BlockSizes, head_dim: int) -> int:
     return bs.num_warps or (4 if head_dim <= 64 else 8)
 
 
+def _query_block_specs(bq: int, T: int, G: int, hdp: int) -> list:
+    """In-specs of (q, k, v, q_seg, kv_seg) for a grid (query block i, batch b, head h):
+    one query block of head h against the whole of its kv head h // G."""
+    return [
+        pl.BlockSpec((None, bq, None, hdp), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, T, None, hdp), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, T, None, hdp), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+    ]
+
+
 def _flash_fwd(q, k, v, q_seg, kv_seg, bs: BlockSizes, interpret: bool):
     """(out [B, T, H, hd], lse float32 [B, H, T]) on padded, block-aligned inputs."""
     B, T, H, hd = q.shape
@@ -196,11 +208,7 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, bs: BlockSizes, interpret: bool):
         kernel,
         grid=(T // bq, B, H),
         in_specs=[
-            pl.BlockSpec((None, bq, None, hdp), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, T, None, hdp), lambda i, b, h: (b, 0, h // G, 0)),
-            pl.BlockSpec((None, T, None, hdp), lambda i, b, h: (b, 0, h // G, 0)),
-            pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-            pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+            *_query_block_specs(bq, T, G, hdp),
         ],
         out_specs=[
             pl.BlockSpec((None, bq, None, hdp), lambda i, b, h: (b, i, h, 0)),
@@ -229,11 +237,7 @@ def _flash_bwd(q, k, v, q_seg, kv_seg, out, lse, do, bs: BlockSizes, interpret: 
         functools.partial(_dq_kernel, scale=hd ** -0.5, block_q=bq, block_k=bk, head_dim=hd),
         grid=(T // bq, B, H),
         in_specs=[
-            pl.BlockSpec((None, bq, None, hdp), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, T, None, hdp), lambda i, b, h: (b, 0, h // G, 0)),
-            pl.BlockSpec((None, T, None, hdp), lambda i, b, h: (b, 0, h // G, 0)),
-            pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-            pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+            *_query_block_specs(bq, T, G, hdp),
             pl.BlockSpec((None, bq, None, hdp), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
             pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
