@@ -441,4 +441,23 @@ def run_config_cli(run, errors: tuple[type[BaseException], ...] = (ConfigError,)
         if report is not None:
             report(out, cfg)
         return 0
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_config_flags)
+
+
+def _parse_config_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, except that an override of a key the config does not have
+    (which ml_collections raises as a bare KeyError / AttributeError) exits 2 with one
+    ``error:`` line naming the flag instead of a page of traceback."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (KeyError, AttributeError) as e:
+        while e.args and isinstance(e.args[0], BaseException):  # AttributeError(KeyError(..))
+            e = e.args[0]
+        first, _, hint = str(e.args[0] if e.args else e).partition("\n")
+        key = first.strip("'\"")
+        named = [a.split("=")[0] for a in argv
+                 if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+        print(f"error: {named[0] if named else '--config'}: unknown key {key!r}"
+              + (f" ({hint.strip()})" if hint else ""), file=sys.stderr)
+        sys.exit(2)
+
