@@ -31,13 +31,6 @@ from klear_jax.data.packing import finalize_packed, fit_to_length, pad_rows
 OVERLONG = ("truncate", "drop")
 
 
-def _shard(ds: grain.MapDataset, process_index: int | None, process_count: int | None):
-    process_index, process_count = _process(process_index, process_count)
-    if len(ds) < process_count:
-        raise ValueError(f"dataset has {len(ds)} records, fewer than {process_count} processes")
-    return ds[process_index::process_count]
-
-
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
         import jax
