@@ -444,10 +444,25 @@ def run_config_cli(run, errors: tuple[type[BaseException], ...] = (ConfigError,)
     app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_config_flags)
 
 
+def _config_file_arg(argv: list[str]) -> str | None:
+    """The file part of ``--config=FILE[:variant]`` / ``--config FILE[:variant]``."""
+    for i, a in enumerate(argv[1:], 1):
+        if a.startswith("--config="):
+            return a[len("--config="):].partition(":")[0]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1].partition(":")[0]
+    return None
+
+
 def _parse_config_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, except that an override of a key the config does not have
     (which ml_collections raises as a bare KeyError / AttributeError) exits 2 with one
     ``error:`` line naming the flag instead of a page of traceback."""
+    path = _config_file_arg(argv)
+    if path is not None and not os.path.isfile(path):
+        print(f"error: --config: no such file {path!r} (relative paths start at {os.getcwd()})",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         return app.parse_flags_with_usage(argv)
     except (KeyError, AttributeError) as e:

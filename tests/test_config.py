@@ -99,6 +99,16 @@ def test_cli_rejects_unknown_key_before_work():
         '(Did you mean "total_steps" instead of "totl_steps"?)']
 
 
+def test_cli_missing_config_file_is_one_line(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    missing = str(tmp_path / "nope.py")
+    r = subprocess.run([sys.executable, "-m", "klear_jax.rl", f"--config={missing}:vocab=3"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        f"error: --config: no such file {missing!r} (relative paths start at {ROOT})"]
+
+
 def test_cli_rejects_bad_value_naming_key(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "klear_jax.sft", f"--config={TINY}",
