@@ -94,6 +94,8 @@ def resolve_tokenizer(tokenizer, checkpoint: str | None = None, step: int = -1):
     saved = saved_run_tokenizer(checkpoint, step) if checkpoint else None
     if saved:
         return load_tokenizer(saved)
+    if checkpoint and "://" not in checkpoint and not os.path.exists(checkpoint):
+        raise ValueError(f"checkpoint {checkpoint!r} does not exist")
     raise ValueError(f"no tokenizer: set `tokenizer` (the checkpoint {checkpoint!r} has none "
                      "and no saved run config naming one)")
 

@@ -270,5 +270,8 @@ def test_tokenizer_from_the_saved_run_config(tmp_path, tok_dir):
     mngr.close()
     t = policy.resolve_tokenizer(None, str(tmp_path))
     assert t.eos_token == "<|im_end|>"
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no tokenizer"):
+        policy.resolve_tokenizer(None, str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="'.*nothing_here' does not exist"):
         policy.resolve_tokenizer(None, str(tmp_path / "nothing_here"))
