@@ -377,12 +377,19 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(out)
 
 
+def check_config_file(path: str) -> None:
+    """FileNotFoundError naming ``path`` (the file part of ``FILE[:variant]``) unless it is a
+    file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no such config file {path!r} (relative paths start at {os.getcwd()})")
+
+
 def load_config(spec: str) -> ml_collections.ConfigDict:
     """``"configs/x.py"`` or ``"configs/x.py:variant"`` -> the file's ``get_config(variant)``,
     locked. The programmatic twin of ``config_flags.DEFINE_config_file``."""
     path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist")
+    check_config_file(path)
     mod_spec = importlib.util.spec_from_file_location("_klear_config", path)
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
@@ -455,13 +462,16 @@ def _config_file_arg(argv: list[str]) -> str | None:
 
 
 def _parse_config_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, except that an override of a key the config does not have
-    (which ml_collections raises as a bare KeyError / AttributeError) exits 2 with one
-    ``error:`` line naming the flag instead of a page of traceback."""
+    """absl's flag parsing, except that a ``--config`` file that does not exist, or an
+    override of a key the config does not have (which ml_collections raises as a bare
+    KeyError / AttributeError), exits 2 with one ``error:`` line naming the flag instead of
+    a page of traceback."""
     path = _config_file_arg(argv)
-    if path is not None and not os.path.isfile(path):
-        print(f"error: --config: no such file {path!r} (relative paths start at {os.getcwd()})",
-              file=sys.stderr)
+    try:
+        if path is not None:
+            check_config_file(path)
+    except FileNotFoundError as e:
+        print(f"error: --config: {e}", file=sys.stderr)
         sys.exit(2)
     try:
         return app.parse_flags_with_usage(argv)
@@ -470,9 +480,8 @@ def _parse_config_flags(argv: list[str]) -> list[str]:
             e = e.args[0]
         first, _, hint = str(e.args[0] if e.args else e).partition("\n")
         key = first.strip("'\"")
-        named = [a.split("=")[0] for a in argv
-                 if a.startswith("--config.") and key in a.split("=")[0].split(".")]
-        print(f"error: {named[0] if named else '--config'}: unknown key {key!r}"
+        flag = next((name for name in (a.split("=")[0] for a in argv)
+                     if name.startswith("--config.") and key in name.split(".")), "--config")
+        print(f"error: {flag}: unknown key {key!r}"
               + (f" ({hint.strip()})" if hint else ""), file=sys.stderr)
         sys.exit(2)
-

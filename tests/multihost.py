@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -266,7 +267,6 @@ def sigterm_one_process(job: "MultiHost", metrics: str | os.PathLike, rows_first
     """Once ``metrics`` holds ``rows_first`` rows, SIGTERMs process 1 alone; asserts every
     process exits 0 after saving the same step (and nothing after it) and returns that
     step."""
-    import re
     started = job.wait_until(has_lines(metrics, rows_first))
     assert started, describe(job.wait())
     job.signal(1, signal.SIGTERM)
@@ -275,7 +275,7 @@ def sigterm_one_process(job: "MultiHost", metrics: str | os.PathLike, rows_first
     said = [re.findall(r"SIGTERM: saved a checkpoint at step (\d+)", r.output) for r in results]
     assert len(said[0]) == 1 and all(s == said[0] for s in said), said
     step = int(said[0][0])
-    with open(metrics) as f:
+    with open(metrics) as f:  # (the harness imports neither jax nor klear_jax)
         assert [json.loads(line)["step"] for line in f] == list(range(1, step + 1))
     return step
 

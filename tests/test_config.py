@@ -106,7 +106,7 @@ def test_cli_missing_config_file_is_one_line(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [
-        f"error: --config: no such file {missing!r} (relative paths start at {ROOT})"]
+        f"error: --config: no such config file {missing!r} (relative paths start at {ROOT})"]
 
 
 def test_cli_rejects_bad_value_naming_key(tmp_path):
