@@ -48,7 +48,6 @@ emitted by decode), slot_utilisation = useful / (chunks x chunk x slots), wall t
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import time
 from typing import Callable, Sequence
@@ -63,7 +62,7 @@ from klear_jax import backend
 from klear_jax import sampling_utils as su
 from klear_jax import sharding as shd
 from klear_jax.models.qwen import cache_shardings, init_slot_cache
-from klear_jax.sampler import SampleOutput, SamplingParams
+from klear_jax.sampler import OnMesh, SampleOutput, SamplingParams
 
 
 def process_share(n: int, process: int | None = None) -> range:
@@ -104,22 +103,10 @@ class Finished:
     stop_string_hit: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """What the compiled functions specialise on besides array shapes."""
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    use_penalty: bool
-
-    def flags(self) -> dict:
-        return dataclasses.asdict(self)
-
-
 SLOT_NAMES = ("act_batch",)
 
 
-class Engine:
+class Engine(OnMesh):
     """See the module docstring."""
 
     def __init__(self, graphdef, mesh=None, pad_id: int = 0, max_prompt_len: int = 512,
@@ -139,19 +126,6 @@ class Engine:
         self.last_stats: dict = {}
 
     # ----------------------------------------------------------------- placement
-    @property
-    def batch_multiple(self) -> int:
-        return 1 if self.mesh is None else int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
-
-    def _ctx(self):
-        return shd.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-    def _put(self, x, names=None):
-        if self.mesh is None:
-            return jnp.asarray(x)
-        x = np.asarray(x)
-        return jax.device_put(x, shd.named_sharding(self.mesh, names or (None,) * x.ndim, x.shape))
-
     def _carry_shardings(self, carry):
         if self.mesh is None:
             return None
@@ -166,7 +140,7 @@ class Engine:
         return carry if sh is None else jax.lax.with_sharding_constraint(carry, sh)
 
     # ----------------------------------------------------------------- device functions
-    def _init(self, cfg, st: _Static, S: int):
+    def _init(self, cfg, st: su.SampleFlags, S: int):
         B = self.slots
         zeros = lambda dt: jnp.zeros((B,), dt)  # noqa: E731
         carry = {"cache": init_slot_cache(cfg, B, S, self.cache_dtype), "last": zeros(jnp.int32),
@@ -177,7 +151,7 @@ class Engine:
             carry["presence"] = jnp.zeros((B, cfg.vocab_size), jnp.bool_)
         return self._constrain(carry)
 
-    def _insert(self, st: _Static, state, carry, ids, seg, plen, slots, src, phash, sid,
+    def _insert(self, st: su.SampleFlags, state, carry, ids, seg, plen, slots, src, phash, sid,
                 budget, seed, temperature, top_p, penalty, stop_ids):
         """Prefills ids [Rp, Pb] (right-padded, seg 1 on real tokens, plen [Rp] lengths) and
         puts row src[r] into slot slots[r] (r < R; slots[r] = B drops the row). Returns
@@ -187,13 +161,9 @@ class Engine:
         h, (ks, vs) = model.hidden_states(ids, segment_ids=seg, return_kv=True)
         last = h[jnp.arange(Rp), plen - 1][:, None]                     # [Rp, 1, D]
         raw = model.logits(last)[:, 0][src]                             # [R, V]
-        presence = None
-        if st.use_penalty:
-            seen = jnp.zeros((Rp, raw.shape[-1]), jnp.int32).at[
-                jnp.arange(Rp)[:, None], ids].max(seg) > 0
-            presence = seen[src]
+        presence = su.prompt_presence(ids, seg, raw.shape[-1])[src] if st.use_penalty else None
         keys = su.step_keys(su.row_keys(seed, phash, sid), 0)
-        tok, lp = su.sample_step(raw, presence, keys, temperature, top_p, penalty, **st.flags())
+        tok, lp = su.sample_step(raw, presence, keys, temperature, top_p, penalty, st)
         cache = carry["cache"]
         Pb = ids.shape[1]
         put = lambda buf, x, at: buf.at[at].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
@@ -214,7 +184,7 @@ class Engine:
                                   presence.at[jnp.arange(tok.shape[0]), tok].set(True), slots)
         return self._constrain(new), tok, lp
 
-    def _decode(self, st: _Static, state, carry, keep, seed, temperature, top_p, penalty,
+    def _decode(self, st: su.SampleFlags, state, carry, keep, seed, temperature, top_p, penalty,
                 stop_ids):
         """Up to ``self.chunk`` steps of every slot (fewer when every slot is idle). keep
         bool [B]: slots to keep decoding (False releases a slot the host ended, e.g. at a
@@ -231,8 +201,7 @@ class Engine:
             cache["lengths"] = jnp.where(act, cache["lengths"], c["cache"]["lengths"])
             raw = model.logits(h)[:, 0]
             keys = su.step_keys(su.row_keys(seed, c["phash"], c["sid"]), c["step"])
-            tok, lp = su.sample_step(raw, c.get("presence"), keys, temperature, top_p, penalty,
-                                     **st.flags())
+            tok, lp = su.sample_step(raw, c.get("presence"), keys, temperature, top_p, penalty, st)
             steps = c["step"] + act.astype(jnp.int32)
             ended = act & (su.is_stop(tok, stop_ids) | (steps >= c["budget"]))
             new = {**c, "cache": cache, "last": jnp.where(act, tok, c["last"]), "step": steps,
@@ -252,7 +221,7 @@ class Engine:
             (jnp.int32(0), carry, out))
         return carry, toks, lps, emitted
 
-    def _functions(self, st: _Static, cfg, S: int):
+    def _functions(self, st: su.SampleFlags, cfg, S: int):
         """(init, insert, decode) jitted for these flags and cache length S."""
         if (st, S) not in self._fns:
             self._fns[st, S] = (
@@ -261,24 +230,18 @@ class Engine:
                 jax.jit(lambda *a: self._decode(st, *a), donate_argnums=(1,)))
         return self._fns[st, S]
 
-    def _setup(self, state, params: SamplingParams, prompt_len: int):
+    def _setup(self, state, params: SamplingParams, prompt_len: int, seed: int = 0):
         """(model config, flags, prompt bucket P, cache length S, device scalars, functions)."""
         cfg = nnx.merge(self.graphdef, state).config
         su.check_stop_ids(params.stop_token_ids, cfg.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("Engine: SamplingParams.stop_strings need Engine(tokenizer=...)")
-        st = _Static(greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
-                     use_top_p=not params.greedy and params.top_p < 1.0,
-                     use_penalty=params.repetition_penalty != 1.0)
+        st = su.SampleFlags.of(params)
         P = su.bucket_length(prompt_len, self.max_prompt_len)
         with self._ctx():
             block = backend.decode_block()
         S = -(-(P + params.max_new_tokens) // block) * block
-        scal = (jnp.asarray(0, jnp.uint32),
-                jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
-                jnp.float32(params.top_p), jnp.float32(params.repetition_penalty),
-                jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
-        return cfg, st, P, S, scal, self._functions(st, cfg, S)
+        return cfg, st, P, S, su.device_scalars(params, seed), self._functions(st, cfg, S)
 
     def warmup(self, state, params: SamplingParams, prompt_len: int) -> float:
         """Compiles what ``generate`` runs for prompts of up to ``prompt_len`` tokens (every
@@ -309,20 +272,14 @@ class Engine:
         """``params.n`` samples per prompt (see the module docstring). ``budgets``: optional
         int [len(prompts) * n], per-sample caps on new tokens (<= max_new_tokens)."""
         t0 = time.perf_counter()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"Engine.generate: params must be SamplingParams, got {type(params)}")
-        vocab = nnx.merge(self.graphdef, state).config.vocab_size
-        prompts = su.validate_prompts(prompts, vocab, self.max_prompt_len)
+        prompts = self._checked_prompts(state, prompts, params)
         _, _, P, S, scal, (init, insert, decode) = self._setup(
-            state, params, max(map(len, prompts)))
-        scal = (jnp.asarray(int(seed) % 2**32, jnp.uint32),) + scal[1:]
+            state, params, max(map(len, prompts)), seed)
         n, npr, M = params.n, len(prompts), params.max_new_tokens
         N = npr * n
         budget = (np.full(N, M, np.int32) if budgets is None
                   else su.check_budgets(budgets, N, M))
-        h, occ = su.prompt_hashes(prompts)
-        sid = (np.repeat(occ, n) * n + np.tile(np.arange(n), npr)).astype(np.int32)
-        phash = np.repeat(h, n).astype(np.int32)
+        phash, sid = su.sample_ids(prompts, n, npr)
         B, R = self.slots, self.insert_rows
 
         samples = _Samples(n, budget, params.stop_token_ids, params.stop_strings, self.tokenizer)
@@ -472,12 +429,7 @@ class _Samples:
             L = int(self.lengths[s])
             toks, lps = self._joined(s)
             tokens[s, :L], logprobs[s, :L] = toks[:L], lps[:L]
-        ids, _ = su.left_pad(prompts, len(prompts), P, pad_id)
-        n = self.n
-        return SampleOutput(
-            tokens=tokens, logprobs=logprobs, lengths=self.lengths.copy(),
-            truncated=self.truncated.copy(),
-            prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int32), n),
-            prompt_tokens=np.repeat(ids, n, axis=0),
-            prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), n),
+        return SampleOutput.of_prompts(
+            prompts, self.n, P, pad_id, tokens=tokens, logprobs=logprobs,
+            lengths=self.lengths.copy(), truncated=self.truncated.copy(),
             stop_string_hit=self.hit.copy())

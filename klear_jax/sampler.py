@@ -137,20 +137,60 @@ class SampleOutput:
                                             np.where(resp, self.logprobs, 0.0)], 1),
         }
 
+    @classmethod
+    def of_prompts(cls, prompts: Sequence[Sequence[int]], n: int, P: int, pad_id: int,
+                   **response) -> "SampleOutput":
+        """The output for ``n`` samples of each of ``prompts`` (left-padded to the bucket P):
+        the prompt fields built here, the response fields (tokens ... stop_string_hit, rows
+        i * n + j) as given."""
+        ids, _ = su.left_pad(prompts, len(prompts), P, pad_id)
+        return cls(**response, prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int32), n),
+                   prompt_tokens=np.repeat(ids, n, axis=0),
+                   prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), n))
+
+
+class OnMesh:
+    """Placement shared by the Sampler and the Engine: ``mesh`` None runs on one device,
+    else sample rows are split over the mesh's batch axes (data x fsdp)."""
+
+    mesh = None
+
+    @property
+    def batch_multiple(self) -> int:
+        if self.mesh is None:
+            return 1
+        return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+
+    def _ctx(self):
+        return shd.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _put(self, x, names=None):
+        """x on the mesh under logical ``names`` (default: replicated)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        x = np.asarray(x)
+        return jax.device_put(x, shd.named_sharding(self.mesh, names or (None,) * x.ndim, x.shape))
+
+    def _checked_prompts(self, state, prompts, params):
+        """The prompts of a ``generate`` call as lists of ints; raises on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{type(self).__name__}.generate: params must be SamplingParams, "
+                            f"got {type(params)}")
+        cfg = nnx.merge(self.graphdef, state).config
+        prompts = su.validate_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
+        su.check_stop_ids(params.stop_token_ids, cfg.vocab_size)
+        return prompts
+
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _Static(su.SampleFlags):
     """Everything the compiled functions specialise on besides array shapes."""
 
     max_new_tokens: int
     n: int
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    use_penalty: bool
 
 
-class Sampler:
+class Sampler(OnMesh):
     """Prefill + while_loop decode for a Qwen graphdef. See the module docstring."""
 
     def __init__(self, graphdef, mesh=None, pad_id: int = 0, max_prompt_len: int = 512,
@@ -168,29 +208,12 @@ class Sampler:
         self.last_timings: dict[str, float] = {}
 
     # ----------------------------------------------------------------- sharding helpers
-    @property
-    def batch_multiple(self) -> int:
-        if self.mesh is None:
-            return 1
-        return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
-
-    def _put(self, x, names):
-        if self.mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, shd.named_sharding(self.mesh, names, x.shape))
-
     def _constrain_cache(self, cache):
         if self.mesh is None:
             return cache
         return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.mesh))
 
     # ----------------------------------------------------------------- traced functions
-    def _sample(self, st: _Static, raw, presence, keys, temperature, top_p, penalty):
-        """raw float32 [B, V] -> (tokens int32 [B], logprobs float32 [B])."""
-        return su.sample_step(raw, presence, keys, temperature, top_p, penalty,
-                              greedy=st.greedy, top_k=st.top_k, use_top_p=st.use_top_p,
-                              use_penalty=st.use_penalty)
-
     def _prefill(self, st: _Static, state, ids, seg, valid, phash, sid, seed, temperature,
                  top_p, penalty, stop_ids):
         model = nnx.merge(self.graphdef, state)
@@ -200,11 +223,7 @@ class Sampler:
         cache = self._constrain_cache(init_cache(cfg, Bp, P + M, self.cache_dtype))
         h, cache = model.hidden_states(ids, segment_ids=seg, cache=cache, fresh_cache=True)
         raw = model.logits(h[:, -1:])[:, 0]  # [Bp, V]; left padding: last slot is real
-        V = raw.shape[-1]
-        presence = None
-        if st.use_penalty:
-            presence = jnp.zeros((Bp, V), jnp.int32).at[
-                jnp.arange(Bp)[:, None], ids].max(seg) > 0
+        presence = su.prompt_presence(ids, seg, raw.shape[-1]) if st.use_penalty else None
         if n > 1:
             rep = lambda x, axis: jnp.repeat(x, n, axis=axis)
             rows = {k: v for k, v in cache.items() if k != "index"}  # every leaf: rows first
@@ -214,8 +233,8 @@ class Sampler:
         cache = self._constrain_cache(cache)
         B = Bp * n
         keys = su.row_keys(seed, phash, sid)
-        tok, lp = self._sample(st, raw, presence, su.step_keys(keys, 0), temperature, top_p,
-                               penalty)
+        tok, lp = su.sample_step(raw, presence, su.step_keys(keys, 0), temperature, top_p,
+                                 penalty, st)
         stop = su.is_stop(tok, stop_ids)
         valid = jnp.repeat(valid, n) if n > 1 else valid
         tokens = jnp.full((B, M), self.pad_id, jnp.int32).at[:, 0].set(
@@ -246,8 +265,8 @@ class Sampler:
             h, cache = model.hidden_states(last, segment_ids=jnp.ones_like(last),
                                            cache=c["cache"], layers=layers)
             raw = model.logits(h)[:, 0]
-            tok, lp = self._sample(st, raw, c["presence"], su.step_keys(keys, i), temperature,
-                                   top_p, penalty)
+            tok, lp = su.sample_step(raw, c["presence"], su.step_keys(keys, i), temperature,
+                                     top_p, penalty, st)
             live = ~c["done"]
             stop = live & su.is_stop(tok, stop_ids)
             presence = c["presence"]
@@ -280,49 +299,34 @@ class Sampler:
         reaching it ends the sample like max_new_tokens, truncated): the rollout
         benchmark's stop schedule."""
         t0 = time.perf_counter()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"Sampler.generate: params must be SamplingParams, got {type(params)}")
-        cfg = nnx.merge(self.graphdef, state).config
-        prompts = su.validate_prompts(prompts, cfg.vocab_size, self.max_prompt_len)
-        su.check_stop_ids(params.stop_token_ids, cfg.vocab_size)
+        prompts = self._checked_prompts(state, prompts, params)
         if params.stop_strings:
             raise ValueError("Sampler.generate: stop_strings are applied while decoding by "
                              "klear_jax.engine.Engine, not by the static sampler")
-        st = _Static(max_new_tokens=params.max_new_tokens, n=params.n, greedy=params.greedy,
-                     top_k=0 if params.greedy else params.top_k,
-                     use_top_p=not params.greedy and params.top_p < 1.0,
-                     use_penalty=params.repetition_penalty != 1.0)
+        st = _Static.of(params, max_new_tokens=params.max_new_tokens, n=params.n)
         n, npr = params.n, len(prompts)
         m = self.batch_multiple
         Bp = -(-npr // m) * m
         P = su.bucket_length(max(len(p) for p in prompts), self.max_prompt_len)
         ids, seg = su.left_pad(prompts, Bp, P, self.pad_id)
         valid = np.arange(Bp) < npr
-        h, occ = su.prompt_hashes(prompts)
-        h = np.concatenate([h, np.zeros(Bp - npr, np.int32)])
-        occ = np.concatenate([occ, np.zeros(Bp - npr, np.int32)])
-        phash = np.repeat(h, n)
-        sid = (np.repeat(occ, n) * n + np.tile(np.arange(n), Bp)).astype(np.int32)
+        phash, sid = su.sample_ids(prompts, n, Bp)
 
         row2 = ("act_batch", None)
         row = ("act_batch",)
-        scal = dict(seed=jnp.asarray(int(seed) % 2**32, jnp.uint32),
-                    temperature=jnp.float32(max(params.temperature, su.GREEDY_TEMPERATURE)),
-                    top_p=jnp.float32(params.top_p), penalty=jnp.float32(params.repetition_penalty),
-                    stop_ids=jnp.asarray(su.pad_stop_ids(params.stop_token_ids), jnp.int32))
+        scal = su.device_scalars(params, seed)
         budget = np.full(Bp * n, params.max_new_tokens, np.int32)
         if budgets is not None:
             budget[:npr * n] = su.check_budgets(budgets, npr * n, params.max_new_tokens)
         prefill, decode = self._functions(st)
         self.compiled_shapes.add((st, Bp * n, P))
-        ctx = shd.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-        with ctx:
+        with self._ctx():
             args_p = (self._put(ids, row2), self._put(seg, row2), self._put(valid, row))
             args_k = (self._put(phash, row), self._put(sid, row))
-            carry = prefill(state, *args_p, *args_k, *scal.values())
+            carry = prefill(state, *args_p, *args_k, *scal)
             jax.block_until_ready(carry["tokens"])
             t1 = time.perf_counter()
-            final = decode(state, carry, *args_k, *scal.values(), self._put(budget, row))
+            final = decode(state, carry, *args_k, *scal, self._put(budget, row))
             del carry
         tokens, logprobs, lengths = (final[k] for k in ("tokens", "logprobs", "lengths"))
         self.last_decode_steps = int(final["step"])  # < max_new_tokens after an early exit
@@ -334,13 +338,10 @@ class Sampler:
         # Wall times of the last call (compilation included on a shape's first call):
         # ttft_s = host prep + prefill + first token; decode_s = the while_loop + host copy.
         self.last_timings = {"ttft_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
-        prompt_index = np.repeat(np.arange(npr, dtype=np.int32), n)
-        return SampleOutput(
-            tokens=tokens.astype(np.int32), logprobs=logprobs.astype(np.float32),
-            lengths=lengths.astype(np.int32), truncated=~stopped, prompt_index=prompt_index,
-            prompt_tokens=np.repeat(ids[:npr], n, axis=0),
-            prompt_lengths=np.repeat(np.asarray([len(p) for p in prompts], np.int32), n),
-            stop_string_hit=np.zeros(N, bool))
+        return SampleOutput.of_prompts(
+            prompts, n, P, self.pad_id, tokens=tokens.astype(np.int32),
+            logprobs=logprobs.astype(np.float32), lengths=lengths.astype(np.int32),
+            truncated=~stopped, stop_string_hit=np.zeros(N, bool))
 
     @staticmethod
     def decode_text(out: SampleOutput, tokenizer, stop_strings: Sequence[str] = (),

@@ -7,6 +7,7 @@ transformers' ``generate``: repetition penalty, then temperature, then top-k, th
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Sequence
 
@@ -64,21 +65,44 @@ def choose_tokens(logits, keys, *, greedy: bool, top_k: int, use_top_p: bool, to
     return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample_step(raw, presence, keys, temperature, top_p, penalty, *, greedy: bool, top_k: int,
-                use_top_p: bool, use_penalty: bool):
+@dataclasses.dataclass(frozen=True)
+class SampleFlags:
+    """The sampling switches the compiled functions specialise on (static under jit)."""
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_penalty: bool
+
+    @classmethod
+    def of(cls, params, **extra):
+        """The flags of a ``SamplingParams`` (``extra``: a subclass's own fields)."""
+        return cls(greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
+                   use_top_p=not params.greedy and params.top_p < 1.0,
+                   use_penalty=params.repetition_penalty != 1.0, **extra)
+
+
+def sample_step(raw, presence, keys, temperature, top_p, penalty, flags: SampleFlags):
     """One sampling step of every row: raw float32 logits [B, V] -> (tokens int32 [B],
     logprobs float32 [B]). ``presence`` bool [B, V] (tokens seen, for the repetition penalty;
-    None when ``use_penalty`` is off); keys: typed PRNG keys [B] for this step. The log-prob
-    is ``sampled_logprob`` of the raw logits (see the sampler's docstring)."""
+    None when ``flags.use_penalty`` is off); keys: typed PRNG keys [B] for this step. The
+    log-prob is ``sampled_logprob`` of the raw logits (see the sampler's docstring)."""
     logits = raw
-    if use_penalty:
+    if flags.use_penalty:
         logits = apply_repetition_penalty(logits, presence, penalty)
-    t = jnp.float32(1.0) if greedy else temperature
-    if not greedy:
+    t = jnp.float32(1.0) if flags.greedy else temperature
+    if not flags.greedy:
         logits = logits / t
-    tok = choose_tokens(logits, keys, greedy=greedy, top_k=top_k, use_top_p=use_top_p,
-                        top_p=top_p)
+    tok = choose_tokens(logits, keys, greedy=flags.greedy, top_k=flags.top_k,
+                        use_top_p=flags.use_top_p, top_p=top_p)
     return tok, sampled_logprob(raw, tok, t)
+
+
+def prompt_presence(ids, seg, vocab_size: int):
+    """bool [R, V]: the tokens of each row's prompt (ids int32 [R, P], seg 1 on real tokens),
+    the repetition penalty's starting set."""
+    R = ids.shape[0]
+    return jnp.zeros((R, vocab_size), jnp.int32).at[jnp.arange(R)[:, None], ids].max(seg) > 0
 
 
 def row_keys(seed, prompt_hash, sample_id):
@@ -94,6 +118,15 @@ def step_keys(keys, step):
     (each row at its own step, as in a rollout engine's slots)."""
     step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape)
     return jax.vmap(jax.random.fold_in)(keys, step)
+
+
+def device_scalars(params, seed: int) -> tuple:
+    """The traced arguments every sampling function takes after its own: (seed uint32,
+    temperature, top_p, repetition penalty float32, stop ids int32 [S] (``pad_stop_ids``))."""
+    return (jnp.asarray(int(seed) % 2**32, jnp.uint32),
+            jnp.float32(max(params.temperature, GREEDY_TEMPERATURE)),
+            jnp.float32(params.top_p), jnp.float32(params.repetition_penalty),
+            jnp.asarray(pad_stop_ids(params.stop_token_ids), jnp.int32))
 
 
 def check_stop_ids(stop_ids: Sequence[int], vocab_size: int) -> None:
@@ -126,17 +159,21 @@ def bucket_length(n: int, max_len: int, minimum: int = 16) -> int:
     return min(b, max_len)
 
 
-def prompt_hashes(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(crc32 of each prompt's tokens as int32 [P], occurrence index of that prompt among
-    identical earlier ones int32 [P]), so repeated prompts still get distinct samples."""
+def sample_ids(prompts: Sequence[Sequence[int]], n: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The PRNG inputs of ``n`` samples of each of ``rows`` prompt rows (``prompts`` then
+    padding rows, which hash to 0), row-major (sample i * n + j is copy j of row i):
+    (crc32 of the prompt's tokens int32 [rows * n], sample id int32 [rows * n] = occurrence
+    of that prompt among identical earlier ones * n + j), so repeated prompts still get
+    distinct samples."""
     seen: dict[bytes, int] = {}
-    hashes, occ = [], []
-    for p in prompts:
+    hashes, occ = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    for i, p in enumerate(prompts):
         b = np.asarray(p, np.int32).tobytes()
-        hashes.append(zlib.crc32(b) & 0x7FFFFFFF)
-        occ.append(seen.get(b, 0))
-        seen[b] = occ[-1] + 1
-    return np.asarray(hashes, np.int32), np.asarray(occ, np.int32)
+        hashes[i] = zlib.crc32(b) & 0x7FFFFFFF
+        occ[i] = seen.get(b, 0)
+        seen[b] = occ[i] + 1
+    sid = np.repeat(occ, n) * n + np.tile(np.arange(n), rows)
+    return np.repeat(hashes, n), sid.astype(np.int32)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: int):
