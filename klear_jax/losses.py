@@ -1,13 +1,10 @@
 """Policy losses (GPPO and relatives), SFT losses and loss aggregation, as pure JAX functions.
 
-Every loss has two forms:
-
-* a *terms* form returning ``(loss_sum, denom)`` (plus metric sums for policy losses). Sums
-  and denominators add across micro-batches and devices; the train step accumulates them
-  (lax.scan over micro-batches, global sum across devices) and divides once with
-  :func:`finalize`. Denominators depend on the mask alone (:func:`agg_denominator`), so a
-  trainer may compute the global denominator first and scale each micro-batch by it.
-* a convenience form (:func:`policy_loss`) = the scalar for one batch.
+Every loss comes in a *terms* form returning ``(loss_sum, denom)`` (plus metric sums for
+policy losses). Sums and denominators add across micro-batches and devices; the train step
+accumulates them (lax.scan over micro-batches, global sum across devices) and divides once
+with :func:`finalize`. Denominators depend on the mask alone (:func:`agg_denominator`), so a
+trainer may compute the global denominator first and scale each micro-batch by it.
 
 Aggregation modes (``agg``) and how their (sum, denom) pair is formed, with m the 0/1 mask,
 l the per-token loss, n_b = sum_t m[b, t] and S = #{b : n_b > 0} (non-empty sequences):
@@ -149,7 +146,7 @@ def _pg(ctx: _Ctx) -> TokenTerms:
     return TokenTerms(-(sg(r_val) * ctx.unit * ctx.adv), r_val, none, none)
 
 
-# name -> per-token kind function; policy_loss(kind=name) selects from it.
+# name -> per-token kind function; PolicyLoss(kind=name) selects from it.
 POLICY_LOSSES: dict[str, Callable[[_Ctx], TokenTerms]] = {
     "gppo": _gppo, "gppo_high": _gppo_high, "clip": _clip,
     "cispo": _cispo, "gspo": _gspo, "pg": _pg,
@@ -232,15 +229,6 @@ def empty_metric_sums(like: Mapping) -> dict:
     return out
 
 
-def reduce_metric_sums(sums: Mapping, axis_name) -> dict:
-    """Cross-device reduction inside shard_map / pmap (psum, pmin, pmax by key)."""
-    out = {}
-    for k, v in sums.items():
-        op = jax.lax.pmin if k in _MIN_KEYS else jax.lax.pmax if k in _MAX_KEYS else jax.lax.psum
-        out[k] = op(v, axis_name)
-    return out
-
-
 def finalize_metrics(sums: Mapping, denom) -> dict:
     """Means per token; pg_loss / denom (the loss's denominator); ratio_min / ratio_max as
     they are (0 when there were no tokens)."""
@@ -312,7 +300,7 @@ def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None 
     dual_clipfrac (if dual_clip), ratio_mean,
     ratio_min/ratio_max (min/max), approx_kl (k3 estimate of KL(pi_old || pi): (r - 1) -
     log r) and pg_loss (summed under agg: finalised with the loss's denominator). Combine
-    with combine_metric_sums / reduce_metric_sums, finish with finalize_metrics.
+    with combine_metric_sums, finish with finalize_metrics.
     """
     if loss is None:
         unknown = sorted(set(kw) - {f.name for f in dataclasses.fields(PolicyLoss)})
@@ -362,25 +350,6 @@ def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None 
     loss_sum, denom = aggregate_terms(per_token, m, cfg.agg, cfg.norm_length, row_weights)
     sums["pg_loss"] = sg(loss_sum)
     return loss_sum, denom, sums
-
-
-def policy_loss(logp, old_logp, advantages, mask, sft_alpha: float = 0.0, positive=None, **kw):
-    """Scalar policy loss to MINIMISE for this batch alone, and finalised metrics.
-
-    ``kw``: PolicyLoss fields. The positive-sample SFT term: ``sft_alpha`` and ``positive``
-    ([B] bool/weights: responses with the maximum reward) add sft_alpha * NLL token-mean
-    over those responses.
-    """
-    if sft_alpha and positive is None:
-        raise ValueError("losses.policy_loss: sft_alpha != 0 needs positive [B]")
-    loss_sum, denom, sums = policy_loss_terms(logp, old_logp, advantages, mask, **kw)
-    loss = finalize(loss_sum, denom)
-    metrics = finalize_metrics(sums, denom)
-    if positive is not None:
-        sft = finalize(*positive_sft_terms(logp, mask, positive))
-        metrics["sft_positive_nll"] = sg(sft)
-        loss = loss + sft_alpha * sft
-    return loss, metrics
 
 
 # ----------------------------------------------------------------------------- SFT losses
