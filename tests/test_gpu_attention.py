@@ -115,13 +115,26 @@ def test_segment_runs_layout():
     assert runs(seg, 1)[0].shape == (3, 2)
 
 
+def packed_causal_mask(seqlens, offsets, T: int):
+    """bool [B, T, T]: what cuDNN's packed layout with a causal mask allows, from
+    ``segment_runs`` output: t and s in the same run and s <= t. (A reference for reading the
+    layout; the kernel never builds it.)"""
+    idx = jnp.arange(T)
+    M = seqlens.shape[1]
+    lo = offsets[:, :M, None]  # [B, M, 1]
+    hi = lo + seqlens[:, :, None]
+    inside = (idx[None, None, :] >= lo) & (idx[None, None, :] < hi) & (seqlens[:, :, None] > 0)
+    same = jnp.einsum("bmt,bms->bts", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    return same & (idx[None, None, :] <= idx[None, :, None])
+
+
 def _dense_packed(q, k, v, q_runs, kv_runs):
     """What cuDNN computes over ``segment_runs``' layout: causal attention inside each run
     (padding runs too). Dense float32 under ``packed_causal_mask``; GQA by grouping q heads.
     A reference for the layout, in place of the kernel (which needs a GPU)."""
     B, T, H, hd = q.shape
     K = k.shape[2]
-    mask = ga.packed_causal_mask(*q_runs, T)[:, None, None]  # [B, 1, 1, T, S]
+    mask = packed_causal_mask(*q_runs, T)[:, None, None]  # [B, 1, 1, T, S]
     qg = q.reshape(B, T, K, H // K, hd)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision="highest") * hd ** -0.5
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
@@ -136,7 +149,7 @@ def test_packed_layout_mask_is_the_xla_rule():
     @jax.jit
     def masks(pos, seg):
         seqlens, offsets, _ = ga.segment_runs(seg, 8)
-        packed = ga.packed_causal_mask(seqlens, offsets, 45) & (seg != 0)[:, :, None]
+        packed = packed_causal_mask(seqlens, offsets, 45) & (seg != 0)[:, :, None]
         return packed, attention_mask(pos, pos, seg, seg)
     packed, rule = masks(pos, seg)
     np.testing.assert_array_equal(packed, rule)

@@ -273,19 +273,6 @@ def segment_runs(segment_ids, max_segments: int):
     return seqlens, offsets, n_runs > M
 
 
-def packed_causal_mask(seqlens, offsets, T: int):
-    """bool [B, T, T]: what cuDNN's packed layout with a causal mask allows, from
-    ``segment_runs`` output: t and s in the same run and s <= t. (A reference for tests and
-    for reading the layout; the kernel never builds it.)"""
-    idx = jnp.arange(T)
-    M = seqlens.shape[1]
-    lo = offsets[:, :M, None]  # [B, M, 1]
-    hi = lo + seqlens[:, :, None]
-    inside = (idx[None, None, :] >= lo) & (idx[None, None, :] < hi) & (seqlens[:, :, None] > 0)
-    same = jnp.einsum("bmt,bms->bts", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
-    return same & (idx[None, None, :] <= idx[None, :, None])
-
-
 def cudnn_attention(q, k, v, q_seg, kv_seg, *, max_segments: int = DEFAULT_MAX_SEGMENTS,
                     fallback=None):
     """Per-shard cuDNN flash attention in the packed layout. q [B, T, H, hd], k / v
