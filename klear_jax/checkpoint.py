@@ -43,7 +43,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from klear_jax.integrity import (MANIFEST_PREFIX, CorruptCheckpointError, any_process,
-                                 newest_good_step, seal, sealed, steps, verify)
+                                 newest_good_step, raise_if_corrupt, seal, sealed, steps, verify)
 from klear_jax.models import ModelConfig, Qwen, param_shardings
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -123,9 +123,7 @@ def restore_params(ckpt_dir, mesh=None, step: int | None = None, **config_overri
         log.warning("checkpoint %s step %d has no integrity manifest: not verified", d, step)
     else:
         problem = verify(d / str(step), items=("params", "model_config"))
-    if any_process(problem is not None):
-        raise CorruptCheckpointError(f"checkpoint {d} step {step}: "
-                                     f"{problem or 'failed verification on another process'}")
+    raise_if_corrupt(d, step, problem)
     meta = mngr.restore(step, args=ocp.args.Composite(model_config=ocp.args.JsonRestore()))
     cfg = model_config_from_dict(meta["model_config"], **config_overrides)
     graphdef, abstract = abstract_model(cfg, mesh)
@@ -195,10 +193,7 @@ class TrainCheckpointer:
         if step == self._saved:
             self.wait()  # sealed by this run: its manifest was just computed
         elif step != self._good:
-            problem = verify(self.dir / str(step))
-            if any_process(problem is not None):
-                raise CorruptCheckpointError(f"checkpoint {self.dir} step {step}: "
-                                             f"{problem or 'failed verification on another process'}")
+            raise_if_corrupt(self.dir, step, verify(self.dir / str(step)))
         return step
 
     def model_config(self, step: int | None = None, **overrides):
@@ -208,7 +203,7 @@ class TrainCheckpointer:
         return model_config_from_dict(d["model_config"], **overrides)
 
     def save(self, state, *, data_iter: Mapping | None = None, rng=None, config=None,
-             model_config=None, force: bool = True) -> None:
+             model_config=None) -> None:
         """Starts an (async) save of everything at ``int(state.step)``."""
         self._join_sealer()
         step = int(state.step)
@@ -225,7 +220,7 @@ class TrainCheckpointer:
                 config.to_json() if hasattr(config, "to_json") else json.dumps(config)))
         if model_config is not None:
             items["model_config"] = ocp.args.JsonSave(model_config_dict(model_config))
-        if not self.mngr.save(step, args=ocp.args.Composite(**items), force=force):
+        if not self.mngr.save(step, args=ocp.args.Composite(**items), force=True):
             return
         self._saved = step
         self._sealer = threading.Thread(target=self._seal, args=(step,), daemon=True,

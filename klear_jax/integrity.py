@@ -110,7 +110,7 @@ def _manifest(step_dir: epath.Path) -> tuple[dict | None, str | None]:
 def verify(step_dir, items=None) -> str | None:
     """None when the step's manifest is complete and the files match it; else the problem,
     naming the file. Only the files of ``items`` (e.g. ("params",)) and the step's own when
-    given. Each process checks its share of the files (agree with _any_process)."""
+    given. Each process checks its share of the files (agree with raise_if_corrupt)."""
     step_dir = epath.Path(step_dir)
     files, problem = _manifest(step_dir)
     if problem:
@@ -128,6 +128,14 @@ def verify(step_dir, items=None) -> str | None:
         return None if digest == files[rel][1] else f"{rel}: content changed since saved (sha256)"
 
     return next((p for p in _map(check, mine) if p), None)
+
+
+def raise_if_corrupt(ckpt_dir, step: int, problem: str | None) -> None:
+    """CorruptCheckpointError naming the step and ``problem`` (this process's ``verify``
+    result) when any process found one; every process must call it (a collective)."""
+    if any_process(problem is not None):
+        raise CorruptCheckpointError(f"checkpoint {ckpt_dir} step {step}: "
+                                     f"{problem or 'failed verification on another process'}")
 
 
 def sealed(step_dir: epath.Path) -> bool:
