@@ -132,11 +132,9 @@ def _schedule_count(opt_state) -> jax.Array:
 
 
 def default_finalize(metric_sums: Mapping[str, jax.Array], denom) -> dict:
-    """Metric sums -> means: ``losses.finalize_metrics`` when the sums carry "tokens" (policy
-    losses), else each sum over the (single) loss denominator. Sums combine across
-    micro-batches with ``losses.combine_metric_sums`` (min / max keys included)."""
-    if "tokens" in metric_sums:
-        return losses.finalize_metrics(metric_sums, denom)
+    """Metric sums -> means: each sum over the (single) loss denominator. Sums combine across
+    micro-batches with ``losses.combine_metric_sums`` (min / max keys included); a policy
+    loss passes its own ``finalize_metrics`` (``rl.loss``)."""
     return {k: losses.finalize(v, denom) for k, v in metric_sums.items()}
 
 
