@@ -32,20 +32,15 @@ class MetricWriter:
     the interrupted run) are dropped, so the file reads as one uninterrupted run.
     """
 
-    def __init__(self, workdir: str, start_step: int = 0, enabled: bool | None = None,
-                 tensorboard: bool = True):
-        if enabled is None:
-            enabled = jax.process_index() == 0
-        self.enabled = enabled
+    def __init__(self, workdir: str, start_step: int = 0):
+        self.enabled = jax.process_index() == 0
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tb = None
-        if not enabled:
+        if not self.enabled:
             return
         os.makedirs(workdir, exist_ok=True)
         _truncate_jsonl(self.path, start_step)
         self._file = open(self.path, "a")
-        if tensorboard:
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None)
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -54,21 +49,13 @@ class MetricWriter:
         row.update({k: float(v) for k, v in metrics.items()})
         self._file.write(json.dumps(row, allow_nan=True) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(k, float(v), int(step))
-
-    def flush(self) -> None:
-        if self.enabled:
-            self._file.flush()
-            if self._tb is not None:
-                self._tb.flush()
+        for k, v in metrics.items():
+            self._tb.add_scalar(k, float(v), int(step))
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
-            if self._tb is not None:
-                self._tb.close()
+            self._tb.close()
 
 
 class WandbWriter:
@@ -132,19 +119,17 @@ def read_jsonl(path: str) -> list[dict]:
 class ProgressBar:
     """One status line: step/total, loss, tokens/s, ETA. Rewrites in place on a TTY;
     otherwise (logs) prints the first and last update and at most one line every
-    ``log_interval_s`` seconds between them."""
+    ``log_interval_s`` seconds between them (on stderr, process 0 only)."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, stream=None,
-                 enabled: bool | None = None, log_interval_s: float = 10.0):
-        if enabled is None:
-            enabled = jax.process_index() == 0
-        self.enabled = enabled
-        self.total, self.start = total_steps, start_step
-        self.stream = stream or sys.stderr
+    log_interval_s = 10.0
+
+    def __init__(self, total_steps: int):
+        self.enabled = jax.process_index() == 0
+        self.total = total_steps
+        self.stream = sys.stderr
         self._t0 = None
         self._tokens = 0.0
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.log_interval_s = log_interval_s
         self._printed = None
 
     def update(self, step: int, metrics: Mapping[str, float]) -> str:

@@ -98,7 +98,7 @@ class Trainer:
             self.wandb = metrics_lib.WandbWriter(
                 self.cfg.workdir, m.wandb_project, m.wandb_name, m.wandb_entity, m.wandb_mode,
                 config=self.cfg.to_dict())
-        self.bar = metrics_lib.ProgressBar(self.total_steps, step)
+        self.bar = metrics_lib.ProgressBar(self.total_steps)
 
     def check_skipped(self, step: int, skipped) -> None:
         if self.guard.update(step, int(skipped)):
