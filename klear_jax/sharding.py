@@ -51,10 +51,6 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def rules_dict(rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> dict[str, Any]:
-    return dict(rules)
-
-
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """Builds the ('data', 'fsdp', 'tensor') mesh. One axis may be -1: it takes the rest.
 
@@ -97,8 +93,7 @@ def mesh_from_config(mesh_cfg: Mapping[str, int] | None, devices=None) -> Mesh:
 
 
 def logical_to_spec(names: Sequence[str | None] | None, shape: Sequence[int] | None = None,
-                    mesh: Mesh | None = None,
-                    rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> PartitionSpec:
+                    mesh: Mesh | None = None) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec.
 
     With ``shape`` and ``mesh`` given, mesh axes that do not divide the dimension (or that
@@ -106,7 +101,7 @@ def logical_to_spec(names: Sequence[str | None] | None, shape: Sequence[int] | N
     """
     if names is None:
         return PartitionSpec()
-    table = rules_dict(rules)
+    table = dict(LOGICAL_RULES)
     used: set[str] = set()
     out = []
     for i, name in enumerate(names):
@@ -132,8 +127,8 @@ def logical_to_spec(names: Sequence[str | None] | None, shape: Sequence[int] | N
     return PartitionSpec(*out)
 
 
-def named_sharding(mesh: Mesh, names, shape=None, rules=LOGICAL_RULES) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
+def named_sharding(mesh: Mesh, names, shape=None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None = None):
