@@ -74,14 +74,12 @@ def compiler_options(mesh) -> dict | None:
 _warned: set[str] = set()
 
 
-def attention_impl(requested: str, *, training: bool = True) -> str:
-    """The attention kernel to trace: ``requested`` unless it is "auto" (splash on TPU, the
-    fused GPU kernel on GPU, XLA on CPU). ``training``: rows attend within themselves
-    (T == S); decode steps over a KV cache always take the XLA path."""
+def attention_impl(requested: str) -> str:
+    """The attention kernel to trace for rows that attend within themselves (T == S):
+    ``requested`` unless it is "auto" (splash on TPU, the fused GPU kernel on GPU, XLA on
+    CPU)."""
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {requested!r} unknown; allowed {ATTENTION_IMPLS}")
-    if not training:
-        return "xla"
     if requested != "auto":
         return requested
     return {"tpu": "splash", "gpu": "gpu_flash"}.get(target_platform(), "xla")
