@@ -236,6 +236,15 @@ class Qwen(nnx.Module):
         state = nnx.state(self.layers)
         return tuple(jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers))
 
+    def _embed(self, input_ids, positions):
+        """(x [B, T, D] in the compute dtype, rope cos, sin [B, T, hd]) of int32 [B, T] ids at
+        ``positions``."""
+        cfg = self.config
+        x = jnp.take(self.embed.embedding[...], input_ids, axis=0).astype(cfg.jnp_dtype)
+        x = shd.constrain(x, ("act_batch", "act_length", "act_embed"))
+        inv_freq, scaling = rope_frequencies(cfg)
+        return (x, *rope_cos_sin(positions, inv_freq, scaling, cfg.jnp_dtype))
+
     def hidden_states(self, input_ids, positions=None, segment_ids=None, cache=None,
                       layers=None, fresh_cache: bool = False, return_kv: bool = False):
         """(h [B, T, D] after the final norm, new cache or None).
@@ -262,11 +271,7 @@ class Qwen(nnx.Module):
                 positions = prior[:, None] + jnp.maximum(
                     jnp.cumsum(segment_ids != 0, axis=1) - 1, 0).astype(jnp.int32)
         positions = positions.astype(jnp.int32)
-        dtype = cfg.jnp_dtype
-        x = jnp.take(self.embed.embedding[...], input_ids, axis=0).astype(dtype)
-        x = shd.constrain(x, ("act_batch", "act_length", "act_embed"))
-        inv_freq, scaling = rope_frequencies(cfg)
-        cos, sin = rope_cos_sin(positions, inv_freq, scaling, dtype)
+        x, cos, sin = self._embed(input_ids, positions)
 
         graphdef, state = nnx.split(self.layers)
         if cache is not None:
@@ -313,11 +318,7 @@ class Qwen(nnx.Module):
         slots keeps their old lengths, so what was written there stays unread)."""
         cfg = self.config
         lengths = cache["lengths"]
-        positions = lengths[:, None]
-        x = jnp.take(self.embed.embedding[...], tokens[:, None], axis=0).astype(cfg.jnp_dtype)
-        x = shd.constrain(x, ("act_batch", "act_length", "act_embed"))
-        inv_freq, scaling = rope_frequencies(cfg)
-        cos, sin = rope_cos_sin(positions, inv_freq, scaling, cfg.jnp_dtype)
+        x, cos, sin = self._embed(tokens[:, None], lengths[:, None])
         graphdef, _ = nnx.split(self.layers)
         layers = self.layer_states() if layers is None else layers
         ks, vs = list(cache["k"]), list(cache["v"])
@@ -356,11 +357,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     index int32 scalar (next slot to write; all rows share it, so prompts are left-padded).
     ``max_len`` must cover prompt + generated tokens: a write past the end is clamped by
     dynamic_update_slice (overwrites the last slots), so size it up front."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    B, K, S, hd = batch, cfg.num_kv_heads, max_len, cfg.head_dim
-    layers = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return {"k": layers((B, K, hd, S)), "v": layers((B, K, S, hd)),
-            "positions": jnp.zeros((batch, max_len), jnp.int32),
+    kv = init_slot_cache(cfg, batch, max_len, dtype)
+    return {"k": kv["k"], "v": kv["v"], "positions": jnp.zeros((batch, max_len), jnp.int32),
             "segment_ids": jnp.zeros((batch, max_len), jnp.int32),
             "index": jnp.zeros((), jnp.int32)}
 
