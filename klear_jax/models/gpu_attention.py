@@ -40,7 +40,7 @@ a call, ``choose`` takes the first that can (the caller falls back to XLA, namin
 Measured on one H200 (jax 0.11.2, cuDNN 9.19; ``benchmarks/gpu_attention_check.py``), one
 layer's forward + backward, 16 / 8 heads, hd 128, one-segment rows: 4 x 4096 tokens XLA 17.7
 ms (11 GiB temp), cuDNN 2.5 ms (``jax.nn``'s causal cuDNN: the same), Pallas 5.5 ms; 1 x 16384
-XLA 70 ms (44 GiB), cuDNN 7.4, Pallas 20.6. Hence ``DEFAULT_ORDER``: cuDNN, then Pallas
+XLA 70 ms (44 GiB), cuDNN 7.4, Pallas 20.6. Hence the order of ``IMPLS``: cuDNN, then Pallas
 where cuDNN cannot run. Both match XLA (values and dq / dk / dv within bf16 rounding) there.
 Shapes: B batch, T time (== S), H query heads, K kv heads, G = H / K, hd head dim.
 """
@@ -56,8 +56,7 @@ from jax import lax
 
 from klear_jax.sharding import current_mesh, logical_to_spec
 
-IMPLS = ("cudnn", "pallas")
-DEFAULT_ORDER = ("cudnn", "pallas")  # preference of ``choose``: measured, module docstring
+IMPLS = ("cudnn", "pallas")  # in ``choose``'s order of preference: measured, module docstring
 # cuDNN: runs per row (segments + padding runs) the packed layout holds; a GPPO row has at most
 # 3 (left padding, prompt + response, right padding); rows with more take the Pallas kernel.
 DEFAULT_MAX_SEGMENTS = 8
@@ -162,12 +161,11 @@ def cudnn_reason(q_shape, k_shape, dtype, *, platform: str, platform_version: st
     return None
 
 
-def choose(q, k, *, order=DEFAULT_ORDER, device=None,
-           interpret: bool = False) -> tuple[str | None, dict[str, str]]:
-    """(first impl of ``order`` that ``supports`` this call or None, {impl: reason} for the
+def choose(q, k, *, device=None, interpret: bool = False) -> tuple[str | None, dict[str, str]]:
+    """(first impl of ``IMPLS`` that ``supports`` this call or None, {impl: reason} for the
     ones skipped before it, or all when none fits)."""
     reasons = {}
-    for impl in order:
+    for impl in IMPLS:
         reason = supports(impl, q, k, device=device, interpret=interpret)
         if reason is None:
             return impl, reasons
@@ -273,15 +271,14 @@ def segment_runs(segment_ids, max_segments: int):
     return seqlens, offsets, n_runs > M
 
 
-def cudnn_attention(q, k, v, q_seg, kv_seg, *, max_segments: int = DEFAULT_MAX_SEGMENTS,
-                    fallback=None):
+def cudnn_attention(q, k, v, q_seg, kv_seg, *, max_segments: int = DEFAULT_MAX_SEGMENTS):
     """Per-shard cuDNN flash attention in the packed layout. q [B, T, H, hd], k / v
     [B, T, K, hd], segment ids int32 [B, T] -> [B, T, H, hd] (padding rows zero). Needs what
     ``supports('cudnn', ...)`` checks. A shard holding a row of more than ``max_segments``
-    runs runs ``fallback`` instead (default: the Pallas kernel), picked at run time."""
-    if fallback is None:
-        from klear_jax.models.gpu_flash import pallas_attention as fallback
-    return packed_or_fallback(q, k, v, q_seg, kv_seg, max_segments, _cudnn_packed, fallback)
+    runs runs the Pallas kernel instead, picked at run time."""
+    from klear_jax.models.gpu_flash import pallas_attention
+    return packed_or_fallback(q, k, v, q_seg, kv_seg, max_segments, _cudnn_packed,
+                              pallas_attention)
 
 
 def _cudnn_packed(q, k, v, q_runs, kv_runs):
