@@ -4,8 +4,7 @@ bar, the non-finite skip guard, preemption, stop reasons and clean-up.
 SFT and RL loops read as their own steps around it::
 
     with Trainer(cfg, total_steps=N) as t:
-        if t.resuming:
-            state, extra, rng = t.restore(abstract_state, with_rng=True)
+        model_cfg, graphdef, state, shardings, extra = t.initial_state(optimizer, mesh)
         t.start(step)
         while step < N:
             ...
@@ -27,7 +26,10 @@ import logging
 from typing import Callable, Mapping
 
 from klear_jax import checkpoint as ckpt
+from klear_jax import config as cfglib
 from klear_jax import metrics as metrics_lib
+from klear_jax import policy
+from klear_jax import train_step as ts
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +72,27 @@ class Trainer:
         self.bar: metrics_lib.ProgressBar | None = None
         self.stopped = "done"
         self.start_step = 0
+        self.abstract_state = None  # the restore target, once resumed
 
     # ------------------------------------------------------------------ resume
     @property
     def resuming(self) -> bool:
         return self.checkpointer.latest_step() is not None
 
-    def model_config(self, **runtime):
-        """The ModelConfig saved with the latest checkpoint, ``runtime`` fields overridden."""
-        return self.checkpointer.model_config(**runtime)
+    def initial_state(self, optimizer, mesh):
+        """(model config, graphdef, TrainState on ``mesh``, its shardings, the checkpoint's
+        JSON item or None) to start from: the latest checkpoint when resuming (its
+        architecture, with ``cfg.model``'s runtime fields), else the model ``cfg.init``
+        names (``policy.model_from_init``)."""
+        if not self.resuming:
+            model = policy.model_from_init(self.cfg, mesh)
+            graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
+            return model.config, graphdef, state, shardings, None
+        model_cfg = self.checkpointer.model_config(**cfglib.runtime_model_fields(self.cfg))
+        graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
+        self.abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
+        state, extra, _ = self.restore(self.abstract_state)
+        return model_cfg, graphdef, state, shardings, extra
 
     def restore(self, abstract_state, with_rng: bool = False):
         """(state, extra JSON dict, rng or None) of the latest checkpoint, onto the shardings

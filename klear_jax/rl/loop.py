@@ -29,7 +29,6 @@ import numpy as np
 import tensorflow_datasets as tfds
 from flax import nnx
 
-from klear_jax import checkpoint as ckpt
 from klear_jax import config as C
 from klear_jax import metrics as metrics_lib
 from klear_jax import policy
@@ -97,6 +96,12 @@ class RLStep:
         self.batch_prompts = tr.batch_prompts
         self.cap = ro.max_prompt_len + ro.max_new_tokens
 
+    def _scoring(self, records) -> GroupScoring:
+        """Scoring of ``records`` (this process's share) with their group advantages."""
+        lc = self.cfg.loss
+        return GroupScoring(self.scorers, records, self.G, self.tok, lc.adv_estimator,
+                            lc.adv_use_std)
+
     # ------------------------------------------------------------------ phases
     def rollout(self, params, records, seed: int) -> tuple[Rollout, GroupScoring | None]:
         """The responses to every prompt of the global batch (every process decodes all of
@@ -104,9 +109,7 @@ class RLStep:
         t0 = time.perf_counter()
         prompts = [r["prompt_ids"].tolist() for r in records]
         own = process_share(len(records))
-        lc = self.cfg.loss
-        scoring = (GroupScoring(self.scorers, records[own.start:own.stop], self.G, self.tok,
-                                lc.adv_estimator, lc.adv_use_std)
+        scoring = (self._scoring(records[own.start:own.stop])
                    if self.cfg.rollout.overlap_scoring else None)
         lo, hi = own.start * self.G, own.stop * self.G
 
@@ -129,9 +132,7 @@ class RLStep:
         scores its share (group advantages as its groups complete), then the shares of all
         processes are put together."""
         if scoring is None:
-            scoring = GroupScoring(self.scorers, ro.records[ro.own.start:ro.own.stop], self.G,
-                                   self.tok, self.cfg.loss.adv_estimator,
-                                   self.cfg.loss.adv_use_std)
+            scoring = self._scoring(ro.records[ro.own.start:ro.own.stop])
             scoring.submit(range(len(ro.texts)), ro.texts)
         return gather_shares(scoring.result(), len(ro.records))
 
@@ -195,25 +196,17 @@ def run(cfg) -> dict:
     tr = cfg.train
     optimizer, schedule = rl_optimizer(cfg)
     with Trainer(cfg, tr.total_steps) as t:
+        model_cfg, graphdef, state, shardings, extra = t.initial_state(optimizer, mesh)
         rng, data_state, rl_step = jax.random.key(cfg.seed), None, 0
-        if t.resuming:
-            model_cfg = t.model_config(**C.runtime_model_fields(cfg))
-            graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
-            abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
-            state, extra, _ = t.restore(abstract_state)
+        if extra is not None:
             if "rng" not in extra:  # saved before the key moved into the JSON item
-                _, _, rng = t.restore(abstract_state, with_rng=True)
+                _, _, rng = t.restore(t.abstract_state, with_rng=True)
             else:
                 rng = jax.random.wrap_key_data(np.asarray(extra["rng"], np.uint32))
             # Checkpoints are numbered by RL step; the update count travels in the JSON item.
             rl_step, data_state = int(state.step), extra["iterator"]
             state = dataclasses.replace(state, step=jax.device_put(
                 jnp.asarray(extra["updates"], jnp.int32), shardings.step))
-        else:
-            model = policy.model_from_init(cfg, mesh)
-            model_cfg = model.config
-            graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
-            del model
         policy.check_vocab(tok, model_cfg.vocab_size)
         data, has_code = build_prompts(cfg, data_state)
         steps = RLStep(cfg, mesh, graphdef, optimizer, schedule, shardings, tok, model_cfg)

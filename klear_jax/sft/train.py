@@ -11,10 +11,8 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
-from klear_jax import checkpoint as ckpt
-from klear_jax import config as C
 from klear_jax import metrics as metrics_lib
-from klear_jax import optim, policy
+from klear_jax import optim
 from klear_jax import sharding as shd
 from klear_jax import train_step as ts
 from klear_jax.data.pipeline import local_rows, sft_batches
@@ -47,17 +45,7 @@ def run(cfg) -> dict:
     total = cfg.train.total_steps
     optimizer, schedule = optim.make_optimizer(cfg.optim, total)
     with Trainer(cfg, total) as t:
-        data_state = None
-        if t.resuming:
-            model_cfg = t.model_config(**C.runtime_model_fields(cfg))
-            graphdef, abstract_params = ckpt.abstract_model(model_cfg, mesh)
-            abstract_state, shardings = ts.abstract_train_state(abstract_params, optimizer, mesh)
-            state, data_state, _ = t.restore(abstract_state)
-        else:
-            model = policy.model_from_init(cfg, mesh)
-            model_cfg = model.config
-            graphdef, state, shardings = ts.init_train_state(model, optimizer, mesh)
-            del model
+        model_cfg, graphdef, state, shardings, data_state = t.initial_state(optimizer, mesh)
         bsh = ts.batch_sharding(mesh)
         data = build_data(cfg, data_state, rows=local_rows(bsh, cfg.train.batch_size))
         global_shape = (cfg.train.batch_size, cfg.train.seq_len)
