@@ -1,10 +1,13 @@
 """Policy losses (GPPO and relatives), SFT losses and loss aggregation, as pure JAX functions.
 
-Every loss comes in a *terms* form returning ``(loss_sum, denom)`` (plus metric sums for
-policy losses). Sums and denominators add across micro-batches and devices; the train step
-accumulates them (lax.scan over micro-batches, global sum across devices) and divides once
-with :func:`finalize`. Denominators depend on the mask alone (:func:`agg_denominator`), so a
-trainer may compute the global denominator first and scale each micro-batch by it.
+Every loss has two forms:
+
+* a *terms* form returning ``(loss_sum, denom)`` (plus metric sums for policy losses). Sums
+  and denominators add across micro-batches and devices; the train step accumulates them
+  (lax.scan over micro-batches, global sum across devices) and divides once with
+  :func:`finalize`. Denominators depend on the mask alone (:func:`agg_denominator`), so a
+  trainer may compute the global denominator first and scale each micro-batch by it.
+* a convenience form (:func:`policy_loss`) = the scalar for one batch.
 
 Aggregation modes (``agg``) and how their (sum, denom) pair is formed, with m the 0/1 mask,
 l the per-token loss, n_b = sum_t m[b, t] and S = #{b : n_b > 0} (non-empty sequences):
@@ -146,7 +149,7 @@ def _pg(ctx: _Ctx) -> TokenTerms:
     return TokenTerms(-(sg(r_val) * ctx.unit * ctx.adv), r_val, none, none)
 
 
-# name -> per-token kind function; PolicyLoss(kind=name) selects from it.
+# name -> per-token kind function; policy_loss(kind=name) selects from it.
 POLICY_LOSSES: dict[str, Callable[[_Ctx], TokenTerms]] = {
     "gppo": _gppo, "gppo_high": _gppo_high, "clip": _clip,
     "cispo": _cispo, "gspo": _gspo, "pg": _pg,
@@ -350,6 +353,25 @@ def policy_loss_terms(logp, old_logp, advantages, mask, loss: PolicyLoss | None 
     loss_sum, denom = aggregate_terms(per_token, m, cfg.agg, cfg.norm_length, row_weights)
     sums["pg_loss"] = sg(loss_sum)
     return loss_sum, denom, sums
+
+
+def policy_loss(logp, old_logp, advantages, mask, sft_alpha: float = 0.0, positive=None, **kw):
+    """Scalar policy loss to MINIMISE for this batch alone, and finalised metrics.
+
+    ``kw``: PolicyLoss fields. The positive-sample SFT term: ``sft_alpha`` and ``positive``
+    ([B] bool/weights: responses with the maximum reward) add sft_alpha * NLL token-mean
+    over those responses.
+    """
+    if sft_alpha and positive is None:
+        raise ValueError("losses.policy_loss: sft_alpha != 0 needs positive [B]")
+    loss_sum, denom, sums = policy_loss_terms(logp, old_logp, advantages, mask, **kw)
+    loss = finalize(loss_sum, denom)
+    metrics = finalize_metrics(sums, denom)
+    if positive is not None:
+        sft = finalize(*positive_sft_terms(logp, mask, positive))
+        metrics["sft_positive_nll"] = sg(sft)
+        loss = loss + sft_alpha * sft
+    return loss, metrics
 
 
 # ----------------------------------------------------------------------------- SFT losses

@@ -19,21 +19,6 @@ RATIOS = np.array([2.0, 0.5, 1.1, 0.9, 1.0, 5.0, 1.5, 0.3])
 DUAL_C = 3.0
 
 
-def policy_loss(logp, old_logp, advantages, mask, sft_alpha: float = 0.0, positive=None, **kw):
-    """Scalar policy loss to MINIMISE for this batch alone, and finalised metrics (what the RL
-    step computes over a whole mini-batch). ``kw``: PolicyLoss fields. The positive-sample SFT
-    term: ``sft_alpha`` and ``positive`` ([B] bool/weights) add sft_alpha * NLL token-mean
-    over those responses."""
-    loss_sum, denom, sums = L.policy_loss_terms(logp, old_logp, advantages, mask, **kw)
-    loss = L.finalize(loss_sum, denom)
-    metrics = L.finalize_metrics(sums, denom)
-    if positive is not None:
-        sft = L.finalize(*L.positive_sft_terms(logp, mask, positive))
-        metrics["sft_positive_nll"] = jax.lax.stop_gradient(sft)
-        loss = loss + sft_alpha * sft
-    return loss, metrics
-
-
 def reduce_metric_sums(sums, axis_name):
     """Cross-device reduction of metric sums inside shard_map (psum, pmin, pmax by key)."""
     ops = {"ratio_min": jax.lax.pmin, "ratio_max": jax.lax.pmax}
@@ -102,7 +87,7 @@ def test_gradient_table(kind, a, dual_clip, betas):
     logp, old, mask, n = _batch_for(kind)
     adv = jnp.full((logp.shape[0],), a)
     kw = dict(kind=kind, eps_low=EL, eps_high=EH, beta1=b1, beta2=b2, dual_clip=dual_clip)
-    loss_fn = lambda lp: policy_loss(lp, old, adv, mask, **kw)[0]
+    loss_fn = lambda lp: L.policy_loss(lp, old, adv, mask, **kw)[0]
     loss, grad = jax.value_and_grad(loss_fn)(logp)
     grad = np.asarray(grad)
     denom = float(mask.sum())
@@ -145,8 +130,8 @@ def _random_batch(seed, b=6, t=7, scale=0.6):
 
 def test_gppo_is_eq11_and_matches_clip_forward():
     logp, old, adv, mask = _random_batch(0)
-    gppo = lambda lp: policy_loss(lp, old, adv, mask, kind="gppo", eps_low=EL, eps_high=EH)[0]
-    clip = lambda lp: policy_loss(lp, old, adv, mask, kind="clip", eps_low=EL, eps_high=EH)[0]
+    gppo = lambda lp: L.policy_loss(lp, old, adv, mask, kind="gppo", eps_low=EL, eps_high=EH)[0]
+    clip = lambda lp: L.policy_loss(lp, old, adv, mask, kind="clip", eps_low=EL, eps_high=EH)[0]
     lit = lambda lp: _eq11_literal(lp, old, adv, mask)
     vg, gg = jax.value_and_grad(gppo)(logp)
     vc, gc = jax.value_and_grad(clip)(logp)
@@ -168,7 +153,7 @@ def test_dual_clip_caps_value_and_zeroes_gradient():
     adv = jnp.array([-2.0])
     mask = jnp.ones((1, 3))
     for kind in ("clip", "gppo"):
-        f = lambda lp: policy_loss(lp, old, adv, mask, kind=kind, dual_clip=10.0)[0]
+        f = lambda lp: L.policy_loss(lp, old, adv, mask, kind=kind, dual_clip=10.0)[0]
         v, g = jax.value_and_grad(f)(logp)
         # tokens: -rA = 8 (kept), 24 -> capped at -cA = 20, 2
         np.testing.assert_allclose(v, (8 + 20 + 2) / 3, rtol=1e-6)
@@ -183,12 +168,12 @@ def test_gspo_sequence_ratio_and_default_eps():
     mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
     old = jnp.zeros((1, 4))
     s = float(np.exp(0.1))
-    f = lambda lp: policy_loss(lp, old, jnp.array([-1.0]), mask, kind="gspo", eps_low=0.2, eps_high=0.2)[0]
+    f = lambda lp: L.policy_loss(lp, old, jnp.array([-1.0]), mask, kind="gspo", eps_low=0.2, eps_high=0.2)[0]
     v, g = jax.value_and_grad(f)(lr)
     np.testing.assert_allclose(v, s, rtol=1e-6)
     np.testing.assert_allclose(g, [[s / 3, s / 3, s / 3, 0.0]], rtol=1e-6)
     # with the GSPO paper's default bounds (3e-4, 4e-4) s = e^0.1 is clipped for A > 0
-    g_def = jax.grad(lambda lp: policy_loss(lp, old, jnp.array([1.0]), mask, kind="gspo")[0])(lr)
+    g_def = jax.grad(lambda lp: L.policy_loss(lp, old, jnp.array([1.0]), mask, kind="gspo")[0])(lr)
     assert np.all(np.asarray(g_def) == 0.0)
     assert L.DEFAULT_EPS["gspo"] == (3e-4, 4e-4)
 
@@ -214,7 +199,7 @@ def test_agg_gradient_weights(agg):
     # pg on-policy: F = 1, so d loss / d logp = -A * weight of the token under agg
     _, _, adv, mask = _random_batch(1)
     logp = jnp.full(mask.shape, -1.0)
-    f = lambda lp: policy_loss(lp, lp * 0 - 1.0, adv, mask, kind="pg", agg=agg, norm_length=16)[0]
+    f = lambda lp: L.policy_loss(lp, lp * 0 - 1.0, adv, mask, kind="pg", agg=agg, norm_length=16)[0]
     g = jax.grad(f)(logp)
     want = -np.asarray(adv)[:, None] * _agg_weights(mask, agg, 16)
     np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-9)
@@ -272,7 +257,7 @@ def test_scan_accumulation_pattern():
     _, _, like = L.policy_loss_terms(logp[:2], old[:2], adv[:2], mask[:2])
     init = (0.0, 0.0, L.empty_metric_sums(like))
     (s, d, sums), _ = jax.lax.scan(step, init, (mb(logp), mb(old), mb(adv), mb(mask)))
-    loss, metrics = policy_loss(logp, old, adv, mask, kind="gppo")
+    loss, metrics = L.policy_loss(logp, old, adv, mask, kind="gppo")
     np.testing.assert_allclose(L.finalize(s, d), loss, rtol=1e-6)
     for name, v in L.finalize_metrics(sums, d).items():
         np.testing.assert_allclose(v, metrics[name], rtol=1e-5, atol=1e-7, err_msg=name)
@@ -283,7 +268,7 @@ def test_metrics_known_values():
     old = jnp.zeros((2, 3))
     mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     adv = jnp.array([1.0, -1.0])
-    _, m = policy_loss(logp, old, adv, mask, kind="clip")
+    _, m = L.policy_loss(logp, old, adv, mask, kind="clip")
     r = np.array([2.0, 0.5, 1.0, 0.5, 2.0])
     assert float(m["tokens"]) == 5
     np.testing.assert_allclose(m["clipfrac_high"], 1 / 5)  # A>0, r=2
@@ -305,32 +290,32 @@ def test_sft_losses_and_positive_term():
     s, d = L.positive_sft_terms(logp, mask, jnp.array([False, True]))
     assert (float(s), float(d)) == (12.0, 3.0)
     adv, old = jnp.array([0.0, 0.0]), logp
-    loss_fn = lambda lp: policy_loss(lp, old, adv, mask, sft_alpha=0.1, positive=jnp.array([False, True]))
+    loss_fn = lambda lp: L.policy_loss(lp, old, adv, mask, sft_alpha=0.1, positive=jnp.array([False, True]))
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(logp)
     np.testing.assert_allclose(loss, 0.1 * 4.0, rtol=1e-6)
     np.testing.assert_allclose(m["sft_positive_nll"], 4.0, rtol=1e-6)
     np.testing.assert_allclose(g, [[0, 0, 0], [-0.1 / 3] * 3], rtol=1e-6, atol=1e-9)
     # no positive response at all: zero term, zero (finite) gradient
-    g0 = jax.grad(lambda lp: policy_loss(lp, old, adv, mask, sft_alpha=0.1, positive=jnp.zeros(2, bool))[0])(logp)
+    g0 = jax.grad(lambda lp: L.policy_loss(lp, old, adv, mask, sft_alpha=0.1, positive=jnp.zeros(2, bool))[0])(logp)
     assert np.all(np.asarray(g0) == 0.0)
 
 
 def test_bad_inputs_raise():
     x = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="gppo_high"):
-        policy_loss(x, x, jnp.zeros(2), x, kind="ppo")
+        L.policy_loss(x, x, jnp.zeros(2), x, kind="ppo")
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
-        policy_loss(x, x, jnp.zeros(2), x, agg="sum")
+        L.policy_loss(x, x, jnp.zeros(2), x, agg="sum")
     with pytest.raises(ValueError, match="norm_length"):
-        policy_loss(x, x, jnp.zeros(2), x, agg="seq-mean-token-sum-norm")
+        L.policy_loss(x, x, jnp.zeros(2), x, agg="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(x, x, jnp.zeros(3), x)
+        L.policy_loss(x, x, jnp.zeros(3), x)
     with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(x, jnp.zeros((2, 4)), jnp.zeros(2), x)
+        L.policy_loss(x, jnp.zeros((2, 4)), jnp.zeros(2), x)
     with pytest.raises(ValueError, match="dual_clip"):
-        policy_loss(x, x, jnp.zeros(2), x, dual_clip=0.5)
+        L.policy_loss(x, x, jnp.zeros(2), x, dual_clip=0.5)
     with pytest.raises(ValueError, match="unknown options"):
-        policy_loss(x, x, jnp.zeros(2), x, kl_cof=0.1)
+        L.policy_loss(x, x, jnp.zeros(2), x, kl_cof=0.1)
     with pytest.raises(ValueError, match="positive"):
         L.positive_sft_terms(x, x, jnp.zeros(3))
 
@@ -342,7 +327,7 @@ def _all_kinds(logp, old, adv, mask):
     out = {}
     for kind in KINDS:
         for agg in AGGS:
-            f = lambda lp: policy_loss(lp, old, adv, mask, kind=kind, agg=agg, norm_length=7.0,
+            f = lambda lp: L.policy_loss(lp, old, adv, mask, kind=kind, agg=agg, norm_length=7.0,
                                          dual_clip=10.0, beta1=0.25)
             (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(logp)
             out[kind, agg] = (loss, g, metrics)
@@ -397,7 +382,7 @@ def test_cross_device_sums_match_whole_batch():
     fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P("data")),
                                out_specs=P()))
     loss_d, metrics_d = fn(logp, old, adv, mask)
-    loss, metrics = policy_loss(logp, old, adv, mask, kind="gppo", agg="seq-mean-token-mean", dual_clip=3.0)
+    loss, metrics = L.policy_loss(logp, old, adv, mask, kind="gppo", agg="seq-mean-token-mean", dual_clip=3.0)
     np.testing.assert_allclose(loss_d, loss, rtol=1e-5)
     for k, v in metrics.items():
         np.testing.assert_allclose(metrics_d[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
