@@ -115,28 +115,6 @@ class SampleOutput:
     prompt_lengths: np.ndarray
     stop_string_hit: np.ndarray | None = None
 
-    def sequences(self, pad_id: int = 0) -> dict[str, np.ndarray]:
-        """Prompt + response as one left-padded row each, for the trainer's recomputation.
-
-        Returns input_ids int32 [N, P + M] (concat of prompt_tokens and tokens), segment_ids
-        int32 [N, P + M] (1 on prompt and response tokens up to ``lengths``, else 0),
-        response_mask float32 [N, P + M] (1 on response tokens up to ``lengths``) and
-        old_logprobs float32 [N, P + M] (the sampler's logprob at each response token's own
-        position; a model predicts position t from t - 1, so shift targets by one).
-        """
-        N, P = self.prompt_tokens.shape
-        M = self.tokens.shape[1]
-        resp = np.arange(M)[None, :] < self.lengths[:, None]
-        prompt_real = np.arange(P)[None, :] >= (P - self.prompt_lengths[:, None])
-        tokens = np.where(resp, self.tokens, pad_id)
-        return {
-            "input_ids": np.concatenate([self.prompt_tokens, tokens], 1).astype(np.int32),
-            "segment_ids": np.concatenate([prompt_real, resp], 1).astype(np.int32),
-            "response_mask": np.concatenate([np.zeros((N, P), bool), resp], 1).astype(np.float32),
-            "old_logprobs": np.concatenate([np.zeros((N, P), np.float32),
-                                            np.where(resp, self.logprobs, 0.0)], 1),
-        }
-
     @classmethod
     def of_prompts(cls, prompts: Sequence[Sequence[int]], n: int, P: int, pad_id: int,
                    **response) -> "SampleOutput":

@@ -7,6 +7,7 @@ import pytest
 from klear_jax import config as C
 from klear_jax import optim, sharding as shd
 from klear_jax.rl import step as rl_step
+from sample_helpers import sequences
 
 
 def _cfg(**over):
@@ -90,7 +91,7 @@ def test_rollout_weights_bf16_copy_and_logprob_gap():
     prompts = np.random.default_rng(0).integers(1, 128, (4, 8)).tolist()
     out = Sampler(graphdef, mesh=mesh, pad_id=0, max_prompt_len=8).generate(
         nnx.State(weights), prompts, SamplingParams(temperature=1.0, max_new_tokens=16), 0)
-    seq = {k: jax.numpy.asarray(v) for k, v in out.sequences().items()}
+    seq = {k: jax.numpy.asarray(v) for k, v in sequences(out).items()}
     targets = jax.numpy.roll(seq["input_ids"], -1, axis=1)
     with shd.use_mesh(mesh):
         logp, _ = nnx.merge(graphdef, nnx.State(state.params)).token_logprobs(

@@ -14,6 +14,7 @@ from klear_jax import sharding as shd
 from klear_jax.models import ModelConfig, create_model, param_shardings
 from klear_jax.models.logprobs import chunked_token_logprobs
 from klear_jax.sampler import SampleOutput, Sampler, SamplingParams
+from sample_helpers import sequences
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
@@ -81,7 +82,7 @@ def _recompute(m, ids, seg, temperature):
 def trainer_logprobs(model, out: SampleOutput, temperature=1.0):
     """The RL trainer's recomputation on prompt + response: logprobs [N, P + M] aligned so
     that entry t is log p(input_ids[t] | input_ids[:t]), and raw logits [N, P + M - 1, V]."""
-    seq = out.sequences()
+    seq = sequences(out)
     lp, logits = _recompute(model, jnp.asarray(seq["input_ids"]), jnp.asarray(seq["segment_ids"]),
                             float(temperature))
     lp = np.concatenate([np.zeros((lp.shape[0], 1), np.float32), np.asarray(lp)], 1)
