@@ -289,7 +289,7 @@ def test_eval_config_is_the_official_protocol(monkeypatch):
         "lcb_v5": ("code", 8), "lcb_v6": ("code", 8)}
     s = c.settings.paper
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.6, 0.95, 20, 1.05)
-    code, maths = ec.code_reward_config(c), ec.math_reward_config(c)
+    code, maths = ec.code_reward_config(c), C.math_reward_config(c)
     assert code.test_selection == "all" and code.think_check == maths.think_check == "none"
     # every LiveCodeBench test runs: 40 here, not the 16 the RL reward samples
     sbx = SandboxConfig(num_slots=2, allow_unsandboxed=True)
