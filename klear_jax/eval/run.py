@@ -322,5 +322,5 @@ def run(cfg) -> dict:
                     max_prompt_len=cfg.sampling.max_prompt_len,
                     batch_prompts=cfg.sampling.batch_prompts,
                     samples_per_call=cfg.sampling.samples_per_call,
-                    math_reward=C.math_reward_config(cfg), code_reward=ec.code_reward_config(cfg),
+                    math_reward=C.math_reward_config(cfg), code_reward=C.code_reward_config(cfg),
                     checkpoint_step=cfg.checkpoint_step, model_overrides=ec.model_overrides(cfg))
