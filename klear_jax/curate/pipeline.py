@@ -186,7 +186,7 @@ def run(c) -> dict[str, Any]:
         "sources": [dict(s, selected=True, counts=by_name.get(s["name"])) for s in selected]
                    + [dict(s, selected=False, counts=None) for s in unselected],
         "steps": [st.counter.to_dict() for st in steps], "prepare": None,
-        "config": json.loads(c.to_json_best_effort()) if hasattr(c, "to_json_best_effort") else None}
+        "config": json.loads(c.to_json_best_effort())}
     base = os.path.join(o.dir, f"{o.name}_curate_report")
     if o.tfds and written:
         report["prepare"] = prepare([jsonl], o.dir, o.name, c.kind, o.tokenizer, o.max_length or None,
