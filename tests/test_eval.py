@@ -64,7 +64,7 @@ def test_summarize_hand_computed():
 # ------------------------------------------------------------------------------ scoring
 def test_correct_means_full_reward():
     from klear_jax.rewards import CodeRewardConfig, SandboxConfig
-    eval_code = ec.code_reward_config(cu.load_config("configs/eval_tiny.py"))
+    eval_code = cu.code_reward_config(cu.load_config("configs/eval_tiny.py"))
     assert eval_code.mode == "soft"  # eval always scores code softly
     sc = Scorers(None, CodeRewardConfig(mode="soft",
                                         sandbox=SandboxConfig(timeout_s=5, num_slots=2)))

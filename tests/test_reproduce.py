@@ -282,14 +282,13 @@ def test_test_selection_first_random_all(monkeypatch):
 
 # ------------------------------------------------------------------------ eval protocol
 def test_eval_config_is_the_official_protocol(monkeypatch):
-    from klear_jax.eval import config as ec
     c = C.load_config("configs/eval_qwen3_8b.py")
     assert {b: (c.benchmarks[b].kind, c.benchmarks[b].num_samples) for b in c.benchmarks} == {
         "aime24": ("math", 64), "aime25": ("math", 64), "hmmt25": ("math", 64),
         "lcb_v5": ("code", 8), "lcb_v6": ("code", 8)}
     s = c.settings.paper
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.6, 0.95, 20, 1.05)
-    code, maths = ec.code_reward_config(c), ec.math_reward_config(c)
+    code, maths = C.code_reward_config(c), C.math_reward_config(c)
     assert code.test_selection == "all" and code.think_check == maths.think_check == "none"
     # every LiveCodeBench test runs: 40 here, not the 16 the RL reward samples
     sbx = SandboxConfig(num_slots=2, allow_unsandboxed=True)

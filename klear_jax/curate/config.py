@@ -71,8 +71,8 @@ def _paths(v) -> list[str]:
 def validate_curate_config(c) -> None:
     """Raises C.ConfigError naming the first bad key (no file is read)."""
     _check_keys(c, curate_base(), "", free=("sources", "decontam.benchmarks"))
-    C.need(c.kind in R.KINDS, "kind", f"must be one of {R.KINDS}, got {c.kind!r}")
-    C.need(C.is_int(c.seed) and c.seed >= 0, "seed", f"must be an int >= 0, got {c.seed!r}")
+    C.check_choice(c, "kind", R.KINDS, "kind")
+    C.check_int(c, "seed", lo=0)
     C.need(len(c.sources) > 0, "sources", "define at least one source")
     for name, s in c.sources.items():
         k = f"sources.{name}"
@@ -91,90 +91,82 @@ def validate_curate_config(c) -> None:
         C.need(C.is_num(w) and 0 < w <= 1, f"{k}.weight", f"must be a sampling rate in (0, 1], got {w!r}")
         cap = s.get("cap", 0)
         C.need(C.is_int(cap) and cap >= 0, f"{k}.cap", f"must be an int >= 0 (0 = no cap), got {cap!r}")
-    t = c.select.top_n_per_domain
-    C.need(C.is_int(t) and t >= 0, "select.top_n_per_domain", f"must be an int >= 0, got {t!r}")
+    C.check_int(c, "select.top_n_per_domain", lo=0)
     for f in ("prompt", "response"):
-        C.need(isinstance(c.dedup[f], bool), f"dedup.{f}", "must be a bool")
-    C.need(C.is_int(c.dedup.max_unique) and c.dedup.max_unique >= 0, "dedup.max_unique", "must be an int >= 0")
+        C.check_bool(c, f"dedup.{f}")
+    C.check_int(c, "dedup.max_unique", lo=0)
     C.need(C.is_int(c.dedup.max_per_prompt) and c.dedup.max_per_prompt >= 0, "dedup.max_per_prompt",
            "must be an int >= 0 (0 = no cap)")
     for name, p in c.decontam.benchmarks.items():
         p = _paths(p)
         C.need(bool(p) and all(isinstance(x, str) and x for x in p), f"decontam.benchmarks.{name}",
               "must be a JSONL path or a list of paths / globs")
-    C.need(C.is_int(c.decontam.n) and c.decontam.n >= 1, "decontam.n", "must be an int >= 1")
-    C.need(isinstance(c.decontam.check_response, bool), "decontam.check_response", "must be a bool")
-    lb = c.label
-    C.need(isinstance(lb.enabled, bool), "label.enabled", "must be a bool")
-    C.need(not lb.enabled or c.kind == "sft", "label.enabled", "labels teacher traces: only for kind 'sft'")
+    C.check_int(c, "decontam.n", lo=1)
+    C.check_bool(c, "decontam.check_response")
+    C.check_bool(c, "label.enabled")
+    C.need(not c.label.enabled or c.kind == "sft", "label.enabled", "labels teacher traces: only for kind 'sft'")
     for f in ("batch_size", "math_workers", "code_max_tests"):
-        C.need(C.is_int(lb[f]) and lb[f] >= 1, f"label.{f}", f"must be an int >= 1, got {lb[f]!r}")
-    C.need(C.is_int(lb.code_slots) and lb.code_slots >= 0, "label.code_slots", "must be an int >= 0 (0 = cpu count)")
-    C.need(C.is_num(lb.code_timeout_s) and lb.code_timeout_s > 0, "label.code_timeout_s", "must be > 0")
-    C.need(isinstance(lb.require_open_think, bool), "label.require_open_think", "must be a bool")
+        C.check_int(c, f"label.{f}", lo=1)
+    C.need(C.is_int(c.label.code_slots) and c.label.code_slots >= 0, "label.code_slots",
+           "must be an int >= 0 (0 = cpu count)")
+    C.check_num(c, "label.code_timeout_s", lo=0, open_lo=True)
+    C.check_bool(c, "label.require_open_think")
     pr = c.pass_rate
-    C.need(pr.source in PASS_RATE_SOURCES, "pass_rate.source", f"must be one of {PASS_RATE_SOURCES}, got {pr.source!r}")
+    C.check_choice(c, "pass_rate.source", PASS_RATE_SOURCES, "source")
     for f in ("field", "samples_field"):
-        C.need(isinstance(pr[f], str) and pr[f] != "", f"pass_rate.{f}", "must be a non-empty string")
-    C.need(C.is_int(pr.batch_size) and pr.batch_size >= 1, "pass_rate.batch_size", "must be an int >= 1")
+        C.check_str(c, f"pass_rate.{f}")
+    C.check_int(c, "pass_rate.batch_size", lo=1)
     if pr.source == "model":
         _validate_model(c)
-    d = c.difficulty
-    C.need(d.source in ("field", "pass_rate"), "difficulty.source", f"must be 'field' or 'pass_rate', got {d.source!r}")
-    if c.label.enabled and d.source == "pass_rate":
+    C.check_choice(c, "difficulty.source", ("field", "pass_rate"), "source")
+    if c.label.enabled and c.difficulty.source == "pass_rate":
         C.need(pr.source != "none", "difficulty.source", "'pass_rate' needs pass_rate.source 'field', 'samples' or 'model'")
-    C.need(C.is_num(d.hard_min), "difficulty.hard_min", "must be a number")
-    C.need(C.is_num(d.hard_max_pass_rate) and 0 <= d.hard_max_pass_rate <= 1, "difficulty.hard_max_pass_rate",
-          "must be in [0, 1]")
+    C.check_num(c, "difficulty.hard_min")
+    C.check_num(c, "difficulty.hard_max_pass_rate", lo=0, hi=1)
     for f in ("keep_incorrect_hard", "keep_incorrect_easy"):
-        C.need(isinstance(c.retain[f], bool), f"retain.{f}", "must be a bool")
+        C.check_bool(c, f"retain.{f}")
     rf = c.rl_filter
     for f in ("min_pass_rate", "max_pass_rate"):
-        C.need(C.is_num(rf[f]) and 0 <= rf[f] <= 1, f"rl_filter.{f}", f"must be in [0, 1], got {rf[f]!r}")
+        C.check_num(c, f"rl_filter.{f}", lo=0, hi=1)
     C.need(rf.min_pass_rate <= rf.max_pass_rate, "rl_filter.min_pass_rate", "must be <= rl_filter.max_pass_rate")
     if c.kind != "sft" and (rf.min_pass_rate > 0 or rf.max_pass_rate < 1):
         C.need(pr.source != "none", "rl_filter.min_pass_rate", "a pass-rate band needs pass_rate.source")
-    C.need(C.is_int(rf.min_tests) and rf.min_tests >= 0, "rl_filter.min_tests", "must be an int >= 0")
+    C.check_int(c, "rl_filter.min_tests", lo=0)
     o = c.output
-    C.need(isinstance(o.dir, str) and o.dir != "", "output.dir", "must be a non-empty path")
+    C.check_str(c, "output.dir", "must be a non-empty path")
     n = o.name
     C.need(isinstance(n, str) and n[:1].isalpha() and n.replace("_", "a").isalnum() and n.lower() == n,
           "output.name", f"must be lower_snake_case (a TFDS name), got {n!r}")
-    C.need(isinstance(o.tfds, bool), "output.tfds", "must be a bool")
-    if o.tfds:
-        C.need(isinstance(o.tokenizer, str) and o.tokenizer != "", "output.tokenizer",
-              "a tokenizer directory is required when output.tfds is True")
+    if C.check_bool(c, "output.tfds"):
+        C.check_str(c, "output.tokenizer", "a tokenizer directory is required when output.tfds is True")
     C.need(C.is_int(o.max_length) and (o.max_length == 0 or o.max_length >= 2), "output.max_length",
           "must be 0 (no limit) or >= 2")
-    C.need(o.overlong in ("truncate", "drop"), "output.overlong", "must be 'truncate' or 'drop'")
+    C.check_choice(c, "output.overlong", ("truncate", "drop"))
     C.need(C.is_num(o.val_fraction) and 0 <= o.val_fraction < 1, "output.val_fraction", "must be in [0, 1)")
     C.need(isinstance(o.prompt_template, str) and "{problem}" in o.prompt_template, "output.prompt_template",
           "must contain '{problem}'")
     C.need(isinstance(o.drop_fields, (list, tuple)) and all(isinstance(x, str) for x in o.drop_fields),
           "output.drop_fields", "must be a list of field names")
-    C.need(isinstance(o.overwrite, bool), "output.overwrite", "must be a bool")
+    C.check_bool(c, "output.overwrite")
 
 
 def _validate_model(c) -> None:
     """pass_rate.model.* (source 'model'): the reference checkpoint and its sampling."""
     m, k = c.pass_rate.model, "pass_rate.model"
-    ck = m.checkpoint
-    C.need(isinstance(ck, str) and ck != "", f"{k}.checkpoint",
-          "required when pass_rate.source is 'model' (an Orbax params / SFT / RL checkpoint or a HF dir)")
+    ck = C.check_str(c, f"{k}.checkpoint",
+                     "required when pass_rate.source is 'model' (an Orbax params / SFT / RL checkpoint or a HF dir)")
     C.need(os.path.isdir(ck), f"{k}.checkpoint", f"directory {ck!r} does not exist")
     C.need(m.tokenizer == "" or isinstance(m.tokenizer, str) and os.path.isdir(m.tokenizer), f"{k}.tokenizer",
           f"must be '' (the checkpoint's) or an existing directory, got {m.tokenizer!r}")
     C.need(C.is_int(m.checkpoint_step), f"{k}.checkpoint_step", "must be an int (-1 = latest)")
-    C.need(m.dtype in ("float32", "bfloat16", "float16"), f"{k}.dtype", f"must be a float dtype, got {m.dtype!r}")
+    C.check_choice(c, f"{k}.dtype", ("float32", "bfloat16", "float16"), "dtype")
     for f, lo in (("num_samples", 1), ("max_new_tokens", 1), ("batch_prompts", 1), ("max_prompt_len", 1),
                   ("seed", 0)):
-        C.need(C.is_int(m[f]) and m[f] >= lo, f"{k}.{f}", f"must be an int >= {lo}, got {m[f]!r}")
+        C.check_int(c, f"{k}.{f}", lo=lo)
     C.need(C.is_num(m.temperature) and m.temperature >= 0, f"{k}.temperature", "must be >= 0 (0 = greedy)")
-    C.need(C.is_num(m.top_p) and 0 < m.top_p <= 1, f"{k}.top_p", f"must be in (0, 1], got {m.top_p!r}")
-    C.need(isinstance(m.keep_samples, bool), f"{k}.keep_samples", "must be a bool")
+    C.check_num(c, f"{k}.top_p", lo=0, hi=1, open_lo=True)
+    C.check_bool(c, f"{k}.keep_samples")
     C.validate_mesh(c, None, key=f"{k}.mesh")
-
-
 
 
 def scorers_from_config(c) -> Scorers:

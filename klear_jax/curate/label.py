@@ -18,7 +18,7 @@ reference checkpoint with the rollout engine, klear_jax.engine, then scored exac
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 from flax import nnx
 
@@ -91,35 +91,32 @@ def label_step(scorers: Scorers, batch_size: int) -> Batched:
 class ModelSamples:
     """k responses per problem from a reference model (pass_rate.source "model").
 
-    The checkpoint (Orbax params / SFT / RL dir, or a HF dir) and its tokenizer are loaded
-    lazily with klear_jax.policy; the prompt is built as the RL data path and eval
-    build it (prepare.rl_example: `prompt_template` around the problem, then the chat
-    template). Batch number b of a run samples with seed `seed + b`; a short last batch is
-    padded with copies of its first prompt (after the real rows, so their keys are
+    ``m`` is the ``pass_rate.model`` config block (``klear_jax.curate.config``). The
+    checkpoint (Orbax params / SFT / RL dir, or a HF dir) and its tokenizer are loaded
+    lazily with klear_jax.policy onto the block's mesh; the prompt is built as the RL data
+    path and eval build it (prepare.rl_example: `prompt_template` around the problem, then
+    the chat template). Batch number b of a run samples with seed `seed + b`; a short last
+    batch is padded with copies of its first prompt (after the real rows, so their keys are
     unchanged) so every call has `batch_prompts` rows and one compiled shape.
     """
 
-    def __init__(self, checkpoint: str, tokenizer: str, num_samples: int, temperature: float,
-                 top_p: float, max_new_tokens: int, batch_prompts: int, seed: int,
-                 prompt_template: str = "{problem}", max_prompt_len: int = 512,
-                 mesh: dict | None = None, dtype: str = "float32", checkpoint_step: int = -1):
-        self.checkpoint, self.tokenizer_dir, self.k = checkpoint, tokenizer, num_samples
-        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
-        self.batch_prompts, self.seed, self.template = batch_prompts, seed, prompt_template
-        self.max_prompt_len, self.mesh_cfg, self.dtype = max_prompt_len, dict(mesh or {}), dtype
-        self.step, self.calls, self._loaded = checkpoint_step, 0, None
+    def __init__(self, m, prompt_template: str):
+        self.m, self.template, self.k, self.seed = m, prompt_template, m.num_samples, m.seed
+        self.batch_prompts, self.max_prompt_len = m.batch_prompts, m.max_prompt_len
+        self.calls, self._loaded = 0, None
 
     def _load(self):
         if self._loaded is None:
-            tok = policy.resolve_tokenizer(self.tokenizer_dir or None, self.checkpoint, self.step)
-            mesh = shd.mesh_from_config(self.mesh_cfg) if self.mesh_cfg else None
-            model = policy.load_model(self.checkpoint, mesh, self.step, dtype=self.dtype)
+            m = self.m
+            tok = policy.resolve_tokenizer(m.tokenizer or None, m.checkpoint, m.checkpoint_step)
+            mesh = shd.mesh_from_config(m.mesh.to_dict())
+            model = policy.load_model(m.checkpoint, mesh, m.checkpoint_step, dtype=m.dtype)
             vocab = model.config.vocab_size
             policy.check_vocab(tok, vocab, "pass_rate.model.checkpoint")
             graphdef, state = nnx.split(model)
             pad, stop_ids = policy.special_ids(tok, vocab)
-            params = SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
-                                    max_new_tokens=self.max_new_tokens, n=self.k,
+            params = SamplingParams(temperature=float(m.temperature), top_p=float(m.top_p),
+                                    max_new_tokens=m.max_new_tokens, n=self.k,
                                     stop_token_ids=stop_ids)
             engine = Engine(graphdef, mesh=mesh, pad_id=pad, max_prompt_len=self.max_prompt_len,
                             slots=self.batch_prompts * self.k)
@@ -216,8 +213,6 @@ def pass_rate_step(scorers: Scorers, source: str, field: str, samples_field: str
             batch[k].data["pass_samples"] = len(res)
         return reasons
 
-    if source == "model" and model is None:
-        raise ValueError("pass_rate_step: source 'model' needs a ModelSamples")
     step = Batched("pass_rate", decide_batch, model.batch_prompts if source == "model" else batch_size)
     info = step.counter.info
     if source != "field":
@@ -284,7 +279,3 @@ def pass_band_step(lo: float, hi: float) -> Filter:
         return None
 
     return Filter("pass_band", decide)
-
-
-def strip_fields(d: dict, fields: Sequence[str]) -> dict:
-    return {k: v for k, v in d.items() if k not in fields}

@@ -51,10 +51,7 @@ log = logging.getLogger(__name__)
 
 def model_samples(c) -> L.ModelSamples:
     """pass_rate.source 'model' (lazy load); prompts use output.prompt_template, as RL does."""
-    m = c.pass_rate.model
-    return L.ModelSamples(m.checkpoint, m.tokenizer, m.num_samples, m.temperature, m.top_p,
-                          m.max_new_tokens, m.batch_prompts, m.seed, c.output.prompt_template,
-                          m.max_prompt_len, m.mesh.to_dict(), m.dtype, m.checkpoint_step)
+    return L.ModelSamples(c.pass_rate.model, c.output.prompt_template)
 
 
 # ------------------------------------------------------------------------------- sources
@@ -175,7 +172,8 @@ def run(c) -> dict[str, Any]:
         stack.callback(lambda: os.path.exists(jsonl + ".tmp") and os.remove(jsonl + ".tmp"))
         with open(jsonl + ".tmp", "w", encoding="utf-8") as f:
             for r in S.compose(_records(selected, c, source_counters), steps):
-                f.write(json.dumps(L.strip_fields(r.data, drop_fields), ensure_ascii=False) + "\n")
+                kept = {k: v for k, v in r.data.items() if k not in drop_fields}
+                f.write(json.dumps(kept, ensure_ascii=False) + "\n")
                 written += 1
         os.replace(jsonl + ".tmp", jsonl)
     for st in steps:
@@ -188,7 +186,7 @@ def run(c) -> dict[str, Any]:
         "sources": [dict(s, selected=True, counts=by_name.get(s["name"])) for s in selected]
                    + [dict(s, selected=False, counts=None) for s in unselected],
         "steps": [st.counter.to_dict() for st in steps], "prepare": None,
-        "config": json.loads(c.to_json_best_effort()) if hasattr(c, "to_json_best_effort") else None}
+        "config": json.loads(c.to_json_best_effort())}
     base = os.path.join(o.dir, f"{o.name}_curate_report")
     if o.tfds and written:
         report["prepare"] = prepare([jsonl], o.dir, o.name, c.kind, o.tokenizer, o.max_length or None,

@@ -72,8 +72,8 @@ def local_rows(sharding, batch_size: int) -> np.ndarray:
 class CheckpointableIterator:
     """Wraps a grain DatasetIterator; get_state()/set_state() speak JSON-serialisable dicts."""
 
-    def __init__(self, it: grain.DatasetIterator, info: dict[str, Any]):
-        self._it, self.info = it, info
+    def __init__(self, it: grain.DatasetIterator):
+        self._it = it
 
     def __iter__(self) -> "CheckpointableIterator":
         return self
@@ -141,9 +141,7 @@ def sft_batches(data_source, batch_size: int, seq_len: int, seed: int = 0, shuff
         num_packing_bins=num_packing_bins or max(batch_size, 32), seed=seed, shuffle_bins=shuffle)
     batches = packed.batch(batch_size, drop_remainder=False).map(
         lambda b: finalize_packed(pad_rows(b, batch_size, mine)))
-    info = dict(batch_size=batch_size, seq_len=seq_len, seed=seed, overlong=overlong,
-                rows=mine.tolist())
-    return CheckpointableIterator(iter(batches), info)
+    return CheckpointableIterator(iter(batches))
 
 
 def _decode_text(x) -> str:
@@ -182,5 +180,4 @@ def rl_prompt_batches(data_source, num_prompts: int, seed: int = 0, shuffle: boo
         ds = ds.filter(lambda ex: len(ex["prompt_ids"]) <= max_prompt_length)
     batches = ds.to_iter_dataset().batch(num_prompts, drop_remainder=True, batch_fn=list).map(
         lambda b: [decode_rl_example(b[i]) for i in mine])
-    return CheckpointableIterator(iter(batches), dict(num_prompts=num_prompts, seed=seed,
-                                                      rows=mine))
+    return CheckpointableIterator(iter(batches))

@@ -41,7 +41,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -153,14 +153,13 @@ def _make_builder_cls(name: str, kind: str, records_fn, tok, cfg: dict, report: 
     return type("KlearPreparedDataset", (tfds.core.GeneratorBasedBuilder,), attrs, skip_registration=True)
 
 
-def prepare(inputs: Sequence[str] | Callable[[], Iterable[R.RawRecord]], output_dir: str, name: str,
+def prepare(inputs: Sequence[str], output_dir: str, name: str,
             kind: str, tokenizer: str, max_length: int | None = None, overlong: str = "truncate",
             skip_invalid: bool = False, val_fraction: float = 0.0, prompt_template: str = "{problem}",
             overwrite: bool = False, max_record_bytes: int = R.DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
     """Writes the TFDS dataset DIR/NAME/1.0.0 and returns the counts report.
 
-    `inputs` are file paths / globs (JSONL, or .parquet), or a callable returning a fresh
-    iterable of RawRecord each call (used by in-process pipelines such as curation).
+    `inputs` are file paths / globs (JSONL, or .parquet).
     Raises RecordError (file:line: problem) on the first malformed record unless skip_invalid.
     Nothing in DIR changes unless the whole dataset was written.
     """
@@ -178,12 +177,9 @@ def prepare(inputs: Sequence[str] | Callable[[], Iterable[R.RawRecord]], output_
         raise ValueError("prompt_template must contain '{problem}'")
     if not name or not name.replace("_", "a").isalnum() or not name[0].isalpha() or name.lower() != name:
         raise ValueError(f"name must be lower_snake_case (TFDS dataset name), got {name!r}")
-    if callable(inputs):
-        records_fn = inputs
-    else:
-        paths = R.expand_inputs(inputs)
-        records_fn = lambda: R.iter_raw_records(  # noqa: E731
-            paths, strict=not skip_invalid, max_record_bytes=max_record_bytes)
+    paths = R.expand_inputs(inputs)
+    records_fn = lambda: R.iter_raw_records(  # noqa: E731
+        paths, strict=not skip_invalid, max_record_bytes=max_record_bytes)
     version_dir = os.path.join(output_dir, name, VERSION)
     if os.path.exists(version_dir) and not overwrite:
         raise FileExistsError(f"{version_dir} already exists (pass --overwrite to replace it)")

@@ -65,10 +65,6 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return paths
 
 
-def _is_parquet(path: str) -> bool:
-    return path.endswith((".parquet", ".pq"))
-
-
 def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024, strict: bool = True,
                      max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[RawRecord]:
     """Yields records one at a time.
@@ -78,7 +74,7 @@ def iter_raw_records(paths: Sequence[str], parquet_batch_rows: int = 1024, stric
     caller can count and skip it).
     """
     for path in paths:
-        if _is_parquet(path):
+        if path.endswith((".parquet", ".pq")):
             import pyarrow.parquet as pq
 
             row = 0

@@ -19,10 +19,6 @@ CURVES = (  # (title, [(metrics.jsonl key, label)])
 )
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-
-
 def plot_curves(run_dirs: list[str], out_path: str) -> None:
     """One figure, a panel per CURVES entry; consecutive runs (math RL, then code RL) are
     laid end to end on the RL-step axis, each in its own colour."""
@@ -30,7 +26,7 @@ def plot_curves(run_dirs: list[str], out_path: str) -> None:
     axes = fig.subplots(1, len(CURVES))
     offset = 0
     for i, d in enumerate(run_dirs):
-        rows = read_metrics(d)
+        rows = read_jsonl(os.path.join(d, "metrics.jsonl"))
         name = os.path.basename(os.path.normpath(d))
         steps = np.asarray([r["step"] for r in rows]) + offset
         for ax, (title, keys) in zip(axes, CURVES):
@@ -67,6 +63,11 @@ def _ms(xs, digits: int = 3) -> str:
     return f"{xs.mean():.{digits}f} +- {sd:.{digits}f}"
 
 
+def _variants(rows: list[dict]) -> list[tuple[str, str]]:
+    """The distinct (variant, task) pairs of ``rows``, in first-seen order."""
+    return list(dict.fromkeys((r["variant"], r["task"]) for r in rows))
+
+
 def ablation_table(rows: list[dict], sft_acc: dict) -> str:
     """rows: {"variant", "task", "seed", "accuracy", "pass_rate", "clipfrac_low",
     "clipfrac_high"}; mean +- std (sample std) over seeds per variant."""
@@ -76,11 +77,7 @@ def ablation_table(rows: list[dict], sft_acc: dict) -> str:
              "| variant | task | seeds | held-out avg@k (T=1.0) | soft pass rate | "
              "clipfrac low | clipfrac high |",
              "|---|---|---|---|---|---|---|"]
-    keys = []
-    for r in rows:
-        if (r["variant"], r["task"]) not in keys:
-            keys.append((r["variant"], r["task"]))
-    for v, t in keys:
+    for v, t in _variants(rows):
         g = [r for r in rows if r["variant"] == v and r["task"] == t]
         lines.append(f"| {v} | {t} | {len(g)} | {_ms([r['accuracy'] for r in g])} | "
                      f"{_ms([r['pass_rate'] for r in g])} | "
@@ -90,10 +87,7 @@ def ablation_table(rows: list[dict], sft_acc: dict) -> str:
 
 
 def plot_ablation(rows: list[dict], sft_acc: dict, out_path: str) -> None:
-    keys = []
-    for r in rows:
-        if (r["variant"], r["task"]) not in keys:
-            keys.append((r["variant"], r["task"]))
+    keys = _variants(rows)
     fig = Figure(figsize=(1.6 * max(len(keys), 2) + 1, 3.4))
     ax = fig.subplots()
     for i, (v, t) in enumerate(keys):

@@ -41,6 +41,7 @@ from klear_jax.demo import config as demo_config
 from klear_jax.demo import report
 from klear_jax.demo import tasks as dt
 from klear_jax.demo.config import demo_settings
+from klear_jax.metrics import read_jsonl
 from klear_jax.rewards import (CodeRewardConfig, MathRewardConfig, Sandbox, SandboxConfig,
                                SandboxUnavailable)
 
@@ -205,7 +206,7 @@ def run_demo(workdir: str, size: str = "default", seed: int = 0,
 
 # ------------------------------------------------------------------------------ ablation
 def _mean_metric(run_dir: str, key: str) -> float:
-    vals = [r[key] for r in report.read_metrics(run_dir) if key in r]
+    vals = [r[key] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if key in r]
     return float(sum(vals) / len(vals)) if vals else float("nan")
 
 

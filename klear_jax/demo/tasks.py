@@ -120,14 +120,10 @@ def code_solution(p: dict, rng: random.Random, error_rate: float) -> tuple[str, 
 
 
 # ------------------------------------------------------------------------------ files
-def write_jsonl(path: str, rows: Iterable[dict]) -> int:
-    n = 0
+def write_jsonl(path: str, rows: Iterable[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-            n += 1
-    return n
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def build_task_files(out_dir: str, seed: int, n_sft: int, n_rl: int, n_eval: int,

@@ -120,7 +120,7 @@ def validate_eval_config(c, num_devices: int | None = None) -> None:
         stops = C.get(c, f"{s}.stop_strings")
         C.need(isinstance(stops, (list, tuple)) and all(isinstance(x, str) and x for x in stops),
                f"{s}.stop_strings", f"must be a tuple of non-empty strings, got {stops!r}")
-    C.validate_rewards(c, {"math": math_reward_config, "code": code_reward_config})
+    C.validate_rewards(c)  # reward.code has no mode: CodeRewardConfig's default, "soft"
 
 
 def benchmarks_from_config(c) -> list[dict]:
@@ -144,12 +144,3 @@ def model_overrides(c) -> dict:
                                "original_max_position_embeddings": o}
         out["max_position_embeddings"] = int(round(m.rope_scaling_factor * o))
     return out
-
-
-def math_reward_config(c):
-    return C.math_reward_config(c)
-
-
-def code_reward_config(c):
-    """The code reward in soft mode (accuracy = every test passes)."""
-    return C.code_reward_config(c, mode="soft")

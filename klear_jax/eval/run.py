@@ -64,6 +64,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from klear_jax import config as C
 from klear_jax import policy
 from klear_jax import sharding as shd
 from klear_jax.data import records as R
@@ -283,10 +284,7 @@ def evaluate(model_or_ckpt, tokenizer, benchmarks, settings, mesh=None, out_dir=
         "checkpoint": os.fspath(ckpt_path) if ckpt_path else None,
         "model": json.loads(json.dumps(dataclasses.asdict(mcfg))), "seed": int(seed),
         "max_prompt_len": int(max_prompt_len),
-        "settings": {s.name: {**{f: getattr(s, f) for f in ("temperature", "top_p", "top_k",
-                                                             "repetition_penalty",
-                                                             "max_new_tokens", "num_samples",
-                                                             "stop_strings")},
+        "settings": {s.name: {**{f: v for f, v in dataclasses.asdict(s).items() if f != "name"},
                               "greedy": s.sampling_params(1).greedy} for s in settings},
         "benchmarks": {b.name: {"kind": b.kind, "path": b.path, "num_problems": len(problems[b.name]),
                                 "num_samples": b.num_samples} for b in benchmarks},
@@ -324,5 +322,5 @@ def run(cfg) -> dict:
                     max_prompt_len=cfg.sampling.max_prompt_len,
                     batch_prompts=cfg.sampling.batch_prompts,
                     samples_per_call=cfg.sampling.samples_per_call,
-                    math_reward=ec.math_reward_config(cfg), code_reward=ec.code_reward_config(cfg),
+                    math_reward=C.math_reward_config(cfg), code_reward=C.code_reward_config(cfg),
                     checkpoint_step=cfg.checkpoint_step, model_overrides=ec.model_overrides(cfg))
