@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from klear_jax.bench import reference
-from klear_jax.bench.measure import bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes
-from klear_jax.bench.rollout import rollout_lines
+from klear_jax.bench.measure import (bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes,
+                                     row)
 from klear_jax.bench.workloads import build_train, memory_stats, rl_batch, time_train
 from klear_jax.flops import param_count, train_flops_per_token
 from klear_jax.models import ModelConfig, create_model
@@ -158,28 +158,21 @@ TARGETS = (("train_*_vs_reference", ">=", 1.3), ("train_*_mfu", ">=", 0.45),
            ("rollout_engine_vs_static", ">=", 2.0))
 
 
-def table(res: dict) -> str:
+def table_lines(res: dict) -> list[str]:
+    """The bench table's lines of the accelerator workloads (none when they did not run)."""
     lines = []
-    add = lambda k, v: lines.append(f"  {k:<44s} {v}")  # noqa: E731
-    tr, sm, ref = (res.get(k) or {} for k in WORKLOADS[:2] + ("gpu_reference",))
-    for w in WORKLOADS:
-        if "error" in (res.get(w) or {}):
-            add(f"{w}: ERROR", res[w]["error"])
+    tr, sm, ref = (res.get(k) or {} for k in WORKLOADS)
     for a, b in zip(tr.get("shapes", ()), ref.get("shapes", ()) or [{}] * 9):
         lines.append(f"train {a['batch']} x {a['seq_len']} (bf16 over f32, remat full)")
-        add("klear_jax tokens/s (MFU)", f"{a['tokens_per_s']:,.0f} ({a['mfu']:.1%})")
+        lines.append(row("klear_jax tokens/s (MFU)", f"{a['tokens_per_s']:,.0f} ({a['mfu']:.1%})"))
         if b:
-            add("PyTorch tokens/s (MFU)", f"{b['tokens_per_s']:,.0f} ({b['mfu']:.1%})")
-        add("compiled temp GiB", f"{a['memory'].get('temp', 0) / 2**30:.1f}")
+            lines.append(row("PyTorch tokens/s (MFU)", f"{b['tokens_per_s']:,.0f} ({b['mfu']:.1%})"))
+        lines.append(row("compiled temp GiB", f"{a['memory'].get('temp', 0) / 2**30:.1f}"))
     if "tokens_per_s" in sm:
         lines.append(f"sample {sm['prompts']} x ({sm['prompt_len']} + {sm['new_tokens']} new), bf16")
-        add("klear_jax tokens/s", f"{sm['tokens_per_s']:,.0f}")
+        lines.append(row("klear_jax tokens/s", f"{sm['tokens_per_s']:,.0f}"))
         if ref.get("generate_tokens_per_s"):
-            add("PyTorch generate tokens/s", f"{ref['generate_tokens_per_s']:,.0f}")
-        add("decode step ms (roofline ms)",
-            f"{sm['decode_step_s'] * 1e3:.2f} ({sm['roofline_step_s'] * 1e3:.2f})")
-    lines += rollout_lines(res.get("rollout") or {})
-    lines.append("targets")
-    for k, v in res.get("targets", {}).items():
-        add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")
-    return "\n".join(lines)
+            lines.append(row("PyTorch generate tokens/s", f"{ref['generate_tokens_per_s']:,.0f}"))
+        lines.append(row("decode step ms (roofline ms)",
+                         f"{sm['decode_step_s'] * 1e3:.2f} ({sm['roofline_step_s'] * 1e3:.2f})"))
+    return lines
