@@ -28,8 +28,8 @@ from flax import nnx
 from klear_jax.bench import reference
 from klear_jax.bench.measure import (bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes,
                                      row)
-from klear_jax.bench.workloads import build_train, memory_stats, rl_batch, time_train
-from klear_jax.flops import param_count, train_flops_per_token
+from klear_jax.bench.workloads import build_train, memory_stats, reference_batch, time_train
+from klear_jax.flops import analytical_flops, train_flops_per_token
 from klear_jax.models import ModelConfig, create_model
 from klear_jax.sampler import Sampler, SamplingParams
 
@@ -81,11 +81,11 @@ def run_gpu_train(quick: bool) -> dict:
 
 def decode_roofline(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int,
                     bytes_per_s: float) -> dict:
-    """Seconds per decode step if it only read the bf16 weights and the filled KV cache
-    (average fill prompt_len + new_tokens / 2) at ``bytes_per_s``."""
-    weights = param_count(cfg) * 2
-    filled = prompt_len + new_tokens / 2
-    kv = 2 * cfg.num_layers * rows * filled * cfg.num_kv_heads * cfg.head_dim * 2
+    """Seconds per decode step if it only read the weights and the filled KV cache (average
+    fill prompt_len + new_tokens / 2; the bytes per step of ``flops.analytical_flops``) at
+    ``bytes_per_s``."""
+    f = analytical_flops(cfg, "decode", rows, seq=new_tokens, cache=prompt_len + new_tokens / 2)
+    weights, kv = f["bytes_per_step_weights"], f["bytes_per_step_kv_total"]
     return {"weight_bytes": weights, "kv_bytes": kv,
             "roofline_step_s": (weights + kv) / bytes_per_s}
 
@@ -120,12 +120,7 @@ def run_gpu_sample(quick: bool) -> dict:
 def run_gpu_reference(quick: bool, threads: int) -> dict:
     p = preset(quick)
     cfg = model_config(quick)
-    batches = []
-    for B, T in p["train_shapes"]:
-        host = rl_batch(cfg, B, T)
-        b = {k: host[k] for k in ("input_ids", "targets", "loss_mask", "advantages")}
-        b["positive"] = host["positive"].astype(np.float32)
-        batches.append(b)
+    batches = [reference_batch(cfg, B, T) for B, T in p["train_shapes"]]
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (p["prompts"], p["prompt_len"]))
     out = reference.run_reference_accelerator(cfg, batches, prompts, p["new_tokens"], p["steps"],
                                               p["matmul_n"], p["matmul_reps"], threads)
