@@ -178,6 +178,8 @@ def machine_info(threads: int, preload: str | None = None) -> dict:
 
 
 def ratios(res: dict) -> dict:
+    """The CPU workloads' ratios and the rollout's (both presets run it; the accelerator
+    workloads' are ``gpu.ratios``)."""
     g = lambda w, k: (res.get(w) or {}).get(k)
     out = {}
     tr, ref, sm, sc = g("train", "tokens_per_s"), g("reference", "train_tokens_per_s"), \
@@ -318,7 +320,7 @@ def main(argv=None) -> dict:
                 res.setdefault("rounds", {}).update(round_values(w, runs[w]))
                 res["runs"] = {w: rs for w, rs in runs.items() if rs}  # every run, whole
             res["machine"] = machine_info(a.threads, preload)
-            res["ratios"] = gpu.ratios(res) if accelerator else ratios(res)
+            res["ratios"] = ratios(res) | gpu.ratios(res)
             res["targets"] = targets(res["ratios"], gpu.TARGETS if accelerator else TARGETS)
             if a.out:  # after every workload, so a long run keeps what it has measured
                 with open(a.out, "w") as f:

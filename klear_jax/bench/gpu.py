@@ -28,7 +28,7 @@ from flax import nnx
 from klear_jax.bench import reference
 from klear_jax.bench.measure import (bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes,
                                      row)
-from klear_jax.bench.workloads import build_train, memory_stats, reference_batch, time_train
+from klear_jax.bench.workloads import QUICK, build_train, memory_stats, reference_batch, time_train
 from klear_jax.flops import analytical_flops, train_flops_per_token
 from klear_jax.models import ModelConfig, create_model
 from klear_jax.sampler import Sampler, SamplingParams
@@ -40,9 +40,7 @@ GPU_1_7B = dict(
     train_shapes=((4, 4096), (1, 16384)), steps=4, prompts=64, prompt_len=256,
     new_tokens=512, sample_reps=2, matmul_n=8192, matmul_reps=10, copy_bytes=4 << 30)
 GPU_QUICK = dict(
-    model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-               num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
-               logprob_chunk_size=32),
+    model=dict(QUICK["model"], tie_word_embeddings=True, logprob_chunk_size=32),
     train_shapes=((2, 32), (1, 64)), steps=2, prompts=4, prompt_len=8, new_tokens=8,
     sample_reps=2, matmul_n=128, matmul_reps=3, copy_bytes=1 << 20)
 WORKLOADS = ("gpu_train", "gpu_sample", "gpu_reference")
@@ -143,8 +141,6 @@ def ratios(res: dict) -> dict:
         out["sample_vs_reference"] = sm["tokens_per_s"] / ref["generate_tokens_per_s"]
     if "decode_vs_roofline" in sm:
         out["decode_step_vs_roofline"] = sm["decode_vs_roofline"]
-    if (res.get("rollout") or {}).get("engine_vs_static"):
-        out["rollout_engine_vs_static"] = res["rollout"]["engine_vs_static"]
     return out
 
 
