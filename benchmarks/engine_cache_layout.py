@@ -35,7 +35,7 @@ from klear_jax.models.decode_attention import NEG, ragged_decode_attention
 def batch_max(q, k, v, lengths, block):
     """Blocked online softmax over blocks 0 .. ceil(max(lengths) / block) of every slot."""
     B, _, H, hd = q.shape
-    K, S = k.shape[1], k.shape[3]
+    K = k.shape[1]
     qg = A.group_queries(q, K)[:, :, :, 0] * hd ** -0.5
 
     def trip(j, acc):

@@ -232,7 +232,7 @@ def test_gpu_ratios_targets_and_table():
     assert t["train_4x4096_mfu"]["met"] and not t["train_1x16384_mfu"]["met"]
     assert t["sample_vs_reference"]["met"] and not t["decode_step_vs_roofline"]["met"]
     res["targets"] = t
-    text = gpu.table(res)
+    text = bench.table(res)
     assert "4 x 4096" in text and "MISSED" in text and "PyTorch generate" in text
 
 

@@ -26,7 +26,7 @@ from klear_jax import train_step as ts
 from klear_jax.flops import CHIPS, analytical_flops, roofline
 from klear_jax.models import ModelConfig
 from klear_jax.rl.step import batch_shapes as rl_batch_shapes
-from klear_jax.rl.step import build_rl_step, rl_optimizer, rollout_dtype
+from klear_jax.rl.step import build_rl_step, build_rollout_cast, rl_optimizer
 from klear_jax.engine import Engine
 from klear_jax.sampler import Sampler, SamplingParams, _Static
 from klear_jax.sft.step import batch_shapes as sft_batch_shapes
@@ -44,7 +44,6 @@ class Topology:
     topology_name: str
     chip: str
     chip_config_name: str | None
-    chips_per_host_bounds: tuple[int, int, int] = (2, 2, 1)
 
     @property
     def hbm_bytes(self) -> int:
@@ -78,7 +77,7 @@ def topology_devices(topo: Topology) -> list:
     # libtpu takes a machine-wide lock file; AOT needs no chip, so several compiles may share.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kw = dict(platform="tpu", topology_name=topo.topology_name, num_slices=1,
-              chips_per_host_bounds=topo.chips_per_host_bounds)
+              chips_per_host_bounds=(2, 2, 1))
     if topo.chip_config_name:
         kw["chip_config_name"] = topo.chip_config_name
     return list(topologies.get_topology_desc(**kw).devices)
@@ -151,12 +150,9 @@ def compile_one(name: str, lowered_fn, topo: Topology, n_devices: int, flops: di
 
 
 # ------------------------------------------------------------------------------ the functions
-def _rollout_shapes(cfg):
-    """(prompts per static-sampler call, prompt length, new tokens, group size): the static
-    sampler holds as many rows as the engine has decode slots."""
-    ro = cfg.rollout
-    slots = ro.decode_slots or ro.prompts_per_step * ro.group_size
-    return max(1, slots // ro.group_size), ro.max_prompt_len, ro.max_new_tokens, ro.group_size
+def _decode_slots(ro) -> int:
+    """The engine's decode slots (``rollout.decode_slots``, 0 = the whole global batch)."""
+    return ro.decode_slots or ro.prompts_per_step * ro.group_size
 
 
 def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
@@ -196,10 +192,10 @@ def build_jobs(cfg, mesh, what: tuple[str, ...]) -> dict:
 
     # Rollouts read the policy's copy in the rollout dtype (bf16 under bf16 compute) while the
     # train state (f32 masters + optimizer) stays on the chips: the sampler functions take the
-    # copy as their argument and their reports add the train state's bytes.
-    dtype = jnp.dtype(rollout_dtype(cfg, mcfg))
-    weights = jax.tree.map(lambda x: sds(x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating)
-                                         else x.dtype, x.sharding), params)
+    # copy (the RL loop's cast, abstractly) as their argument and their reports add the train
+    # state's bytes.
+    cast = build_rollout_cast(cfg, mcfg, shardings)
+    weights = jax.eval_shape(cast, params) if cast else params
     rollout = {}
     if "prefill" in what or "decode" in what:
         rollout.update(_sampler_jobs(cfg, mcfg, graphdef, weights, mesh, what))
@@ -221,8 +217,7 @@ def _engine_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
     distinct prompts of max_prompt_len tokens (the largest variant) into the slot cache, and
     one decode chunk over every slot (carry donated in both)."""
     ro = cfg.rollout
-    slots = ro.decode_slots or ro.prompts_per_step * ro.group_size
-    eng = Engine(graphdef, mesh=mesh, max_prompt_len=ro.max_prompt_len, slots=slots,
+    eng = Engine(graphdef, mesh=mesh, max_prompt_len=ro.max_prompt_len, slots=_decode_slots(ro),
                  chunk=ro.decode_chunk)
     sp = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                         repetition_penalty=ro.repetition_penalty,
@@ -258,7 +253,8 @@ def _engine_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
 
 def _sampler_jobs(cfg, mcfg, graphdef, params, mesh, what) -> dict:
     ro = cfg.rollout
-    chunk, Pl, M, G = _rollout_shapes(cfg)
+    Pl, M, G = ro.max_prompt_len, ro.max_new_tokens, ro.group_size
+    chunk = max(1, _decode_slots(ro) // G)  # as many rows as the engine has decode slots
     smp = Sampler(graphdef, mesh=mesh, max_prompt_len=Pl)
     st = _Static(max_new_tokens=M, n=G, greedy=ro.temperature <= su.GREEDY_TEMPERATURE,
                              top_k=ro.top_k, use_top_p=ro.top_p < 1.0,

@@ -15,12 +15,13 @@ Workloads (each in its own fresh subprocess, same thread settings), default mode
     reference  transformers' PyTorch Qwen3, same shape and batch (``bench.reference``).
     rollout    (on request: ``--workloads rollout``) static sampler vs rollout engine on a
                long-tailed stop schedule (lognormal lengths, mean / max 0.3): useful tokens/s
-               and slot utilisation of each (``bench.rollout``); ``--preset gpu
-               --platform gpu`` runs it at Qwen3-1.7B shape on one GPU.
+               and slot utilisation of each (``bench.rollout``); ``--preset gpu-1.7b
+               --workloads rollout`` runs it at Qwen3-1.7B shape on one GPU.
 
-The workloads live in ``bench.workloads`` (the torch side in ``bench.reference``);
-``bench.driver`` runs each in a fresh process, computes the ratios, checks the targets and
-prints the table. Results: docs/performance.md.
+The workloads live in ``bench.workloads`` (the torch side in ``bench.reference``, the
+accelerator preset ``gpu-1.7b`` in ``bench.gpu``); ``bench.driver`` runs each in a fresh
+process, computes the ratios, checks the targets and prints the table. Results:
+docs/performance.md.
 """
 
 from klear_jax.bench.driver import main

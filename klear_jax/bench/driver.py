@@ -17,7 +17,7 @@ import jax
 
 from klear_jax import logs
 from klear_jax.bench import gpu
-from klear_jax.bench.measure import round_orders
+from klear_jax.bench.measure import round_orders, row
 from klear_jax.bench.rollout import rollout_lines, run_rollout
 from klear_jax.bench.workloads import (run_reference_workload, run_sample, run_scale,
                                        run_train, sizes)
@@ -178,6 +178,8 @@ def machine_info(threads: int, preload: str | None = None) -> dict:
 
 
 def ratios(res: dict) -> dict:
+    """The CPU workloads' ratios and the rollout's (both presets run it; the accelerator
+    workloads' are ``gpu.ratios``)."""
     g = lambda w, k: (res.get(w) or {}).get(k)
     out = {}
     tr, ref, sm, sc = g("train", "tokens_per_s"), g("reference", "train_tokens_per_s"), \
@@ -211,15 +213,11 @@ def targets(r: dict, table=TARGETS) -> dict:
     return out
 
 
-def table(res: dict) -> str:
+def table_lines(res: dict) -> list[str]:
+    """The bench table's lines of the CPU workloads (none when they did not run)."""
     lines = []
-    add = lambda k, v: lines.append(f"  {k:<44s} {v}")
+    add = lambda k, v: lines.append(row(k, v))  # noqa: E731
     t, s, sc, ref = (res.get(k) or {} for k in ("train", "sample", "scale", "reference"))
-    for w in WORKLOADS:
-        if "error" in (res.get(w) or {}):
-            add(f"{w}: ERROR", res[w]["error"])
-    if "machine" in res:
-        add("allocator (every workload)", res["machine"]["malloc"])
     if "tokens_per_s" in t:
         lines.append(f"train (B={t['batch']} x T={t['seq_len']}, GPPO, AdamW)")
         add("tokens/s (median)", f"{t['tokens_per_s']:.0f}")
@@ -245,14 +243,25 @@ def table(res: dict) -> str:
         add("MFU vs torch f32 matmul peak", f"{ref['mfu']:.1%} (peak {ref['matmul']['peak_flops']/1e9:.1f} GFLOP/s)")
         add("generate tokens/s", f"{ref['generate_tokens_per_s']:.0f}")
         add("time to first token s", f"{ref['ttft_s']:.3f}")
-    lines += rollout_lines(res.get("rollout") or {})
+    return lines
+
+
+def table(res: dict) -> str:
+    """The printed table of either preset: errors, each workload's lines, the rounds, the
+    targets."""
+    lines = [row(f"{w}: ERROR", r["error"]) for w, r in res.items()
+             if isinstance(r, dict) and "error" in r]
+    if "machine" in res:
+        lines.append(row("allocator (every workload)", res["machine"]["malloc"]))
+    lines += table_lines(res) + gpu.table_lines(res) + rollout_lines(res.get("rollout") or {})
     for w, values in res.get("rounds", {}).items():
         w, _, key = w.partition(":")
-        add(f"{w} {key or HEADLINE[w]} per round",
-            " / ".join(f"{v:.3g}" for v in values if v is not None))
+        lines.append(row(f"{w} {key or HEADLINE[w]} per round",
+                         " / ".join(f"{v:.3g}" for v in values if v is not None)))
     lines.append("targets")
     for k, v in res.get("targets", {}).items():
-        add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")
+        lines.append(row(k, f"{v['value']:.3f} (target {v['target']}) "
+                            f"{'MET' if v['met'] else 'MISSED'}"))
     return "\n".join(lines)
 
 
@@ -311,11 +320,11 @@ def main(argv=None) -> dict:
                 res.setdefault("rounds", {}).update(round_values(w, runs[w]))
                 res["runs"] = {w: rs for w, rs in runs.items() if rs}  # every run, whole
             res["machine"] = machine_info(a.threads, preload)
-            res["ratios"] = gpu.ratios(res) if accelerator else ratios(res)
+            res["ratios"] = ratios(res) | gpu.ratios(res)
             res["targets"] = targets(res["ratios"], gpu.TARGETS if accelerator else TARGETS)
             if a.out:  # after every workload, so a long run keeps what it has measured
                 with open(a.out, "w") as f:
                     json.dump(res, f, indent=2)
-    print(gpu.table(res) if accelerator else table(res))
+    print(table(res))
     return res
 

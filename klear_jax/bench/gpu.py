@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 
 from klear_jax.bench import reference
-from klear_jax.bench.measure import bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes
-from klear_jax.bench.rollout import rollout_lines
-from klear_jax.bench.workloads import build_train, memory_stats, rl_batch, time_train
-from klear_jax.flops import param_count, train_flops_per_token
+from klear_jax.bench.measure import (bracket_peak, copy_bandwidth, jax_matmul_peak, peak_rss_bytes,
+                                     row)
+from klear_jax.bench.workloads import QUICK, build_train, memory_stats, reference_batch, time_train
+from klear_jax.flops import analytical_flops, train_flops_per_token
 from klear_jax.models import ModelConfig, create_model
 from klear_jax.sampler import Sampler, SamplingParams
 
@@ -40,9 +40,7 @@ GPU_1_7B = dict(
     train_shapes=((4, 4096), (1, 16384)), steps=4, prompts=64, prompt_len=256,
     new_tokens=512, sample_reps=2, matmul_n=8192, matmul_reps=10, copy_bytes=4 << 30)
 GPU_QUICK = dict(
-    model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-               num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
-               logprob_chunk_size=32),
+    model=dict(QUICK["model"], tie_word_embeddings=True, logprob_chunk_size=32),
     train_shapes=((2, 32), (1, 64)), steps=2, prompts=4, prompt_len=8, new_tokens=8,
     sample_reps=2, matmul_n=128, matmul_reps=3, copy_bytes=1 << 20)
 WORKLOADS = ("gpu_train", "gpu_sample", "gpu_reference")
@@ -81,11 +79,11 @@ def run_gpu_train(quick: bool) -> dict:
 
 def decode_roofline(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int,
                     bytes_per_s: float) -> dict:
-    """Seconds per decode step if it only read the bf16 weights and the filled KV cache
-    (average fill prompt_len + new_tokens / 2) at ``bytes_per_s``."""
-    weights = param_count(cfg) * 2
-    filled = prompt_len + new_tokens / 2
-    kv = 2 * cfg.num_layers * rows * filled * cfg.num_kv_heads * cfg.head_dim * 2
+    """Seconds per decode step if it only read the weights and the filled KV cache (average
+    fill prompt_len + new_tokens / 2; the bytes per step of ``flops.analytical_flops``) at
+    ``bytes_per_s``."""
+    f = analytical_flops(cfg, "decode", rows, seq=new_tokens, cache=prompt_len + new_tokens / 2)
+    weights, kv = f["bytes_per_step_weights"], f["bytes_per_step_kv_total"]
     return {"weight_bytes": weights, "kv_bytes": kv,
             "roofline_step_s": (weights + kv) / bytes_per_s}
 
@@ -120,12 +118,7 @@ def run_gpu_sample(quick: bool) -> dict:
 def run_gpu_reference(quick: bool, threads: int) -> dict:
     p = preset(quick)
     cfg = model_config(quick)
-    batches = []
-    for B, T in p["train_shapes"]:
-        host = rl_batch(cfg, B, T)
-        b = {k: host[k] for k in ("input_ids", "targets", "loss_mask", "advantages")}
-        b["positive"] = host["positive"].astype(np.float32)
-        batches.append(b)
+    batches = [reference_batch(cfg, B, T) for B, T in p["train_shapes"]]
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (p["prompts"], p["prompt_len"]))
     out = reference.run_reference_accelerator(cfg, batches, prompts, p["new_tokens"], p["steps"],
                                               p["matmul_n"], p["matmul_reps"], threads)
@@ -148,8 +141,6 @@ def ratios(res: dict) -> dict:
         out["sample_vs_reference"] = sm["tokens_per_s"] / ref["generate_tokens_per_s"]
     if "decode_vs_roofline" in sm:
         out["decode_step_vs_roofline"] = sm["decode_vs_roofline"]
-    if (res.get("rollout") or {}).get("engine_vs_static"):
-        out["rollout_engine_vs_static"] = res["rollout"]["engine_vs_static"]
     return out
 
 
@@ -158,28 +149,21 @@ TARGETS = (("train_*_vs_reference", ">=", 1.3), ("train_*_mfu", ">=", 0.45),
            ("rollout_engine_vs_static", ">=", 2.0))
 
 
-def table(res: dict) -> str:
+def table_lines(res: dict) -> list[str]:
+    """The bench table's lines of the accelerator workloads (none when they did not run)."""
     lines = []
-    add = lambda k, v: lines.append(f"  {k:<44s} {v}")  # noqa: E731
-    tr, sm, ref = (res.get(k) or {} for k in WORKLOADS[:2] + ("gpu_reference",))
-    for w in WORKLOADS:
-        if "error" in (res.get(w) or {}):
-            add(f"{w}: ERROR", res[w]["error"])
+    tr, sm, ref = (res.get(k) or {} for k in WORKLOADS)
     for a, b in zip(tr.get("shapes", ()), ref.get("shapes", ()) or [{}] * 9):
         lines.append(f"train {a['batch']} x {a['seq_len']} (bf16 over f32, remat full)")
-        add("klear_jax tokens/s (MFU)", f"{a['tokens_per_s']:,.0f} ({a['mfu']:.1%})")
+        lines.append(row("klear_jax tokens/s (MFU)", f"{a['tokens_per_s']:,.0f} ({a['mfu']:.1%})"))
         if b:
-            add("PyTorch tokens/s (MFU)", f"{b['tokens_per_s']:,.0f} ({b['mfu']:.1%})")
-        add("compiled temp GiB", f"{a['memory'].get('temp', 0) / 2**30:.1f}")
+            lines.append(row("PyTorch tokens/s (MFU)", f"{b['tokens_per_s']:,.0f} ({b['mfu']:.1%})"))
+        lines.append(row("compiled temp GiB", f"{a['memory'].get('temp', 0) / 2**30:.1f}"))
     if "tokens_per_s" in sm:
         lines.append(f"sample {sm['prompts']} x ({sm['prompt_len']} + {sm['new_tokens']} new), bf16")
-        add("klear_jax tokens/s", f"{sm['tokens_per_s']:,.0f}")
+        lines.append(row("klear_jax tokens/s", f"{sm['tokens_per_s']:,.0f}"))
         if ref.get("generate_tokens_per_s"):
-            add("PyTorch generate tokens/s", f"{ref['generate_tokens_per_s']:,.0f}")
-        add("decode step ms (roofline ms)",
-            f"{sm['decode_step_s'] * 1e3:.2f} ({sm['roofline_step_s'] * 1e3:.2f})")
-    lines += rollout_lines(res.get("rollout") or {})
-    lines.append("targets")
-    for k, v in res.get("targets", {}).items():
-        add(k, f"{v['value']:.3f} (target {v['target']}) {'MET' if v['met'] else 'MISSED'}")
-    return "\n".join(lines)
+            lines.append(row("PyTorch generate tokens/s", f"{ref['generate_tokens_per_s']:,.0f}"))
+        lines.append(row("decode step ms (roofline ms)",
+                         f"{sm['decode_step_s'] * 1e3:.2f} ({sm['roofline_step_s'] * 1e3:.2f})"))
+    return lines

@@ -1,5 +1,5 @@
 """Measuring helpers shared by the benchmark workloads and the PyTorch reference: run orders,
-matmul peaks (the MFU denominators), peak memory."""
+matmul peaks (the MFU denominators), peak memory; the bench table's row format."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def round_orders(names: list, rounds: int) -> list[list]:
     reference, train for two rounds (ABBA), so that a drift in the box's speed hits both
     sides alike."""
     return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
+def row(key: str, value) -> str:
+    """One line of the bench table: the key in a 44-character column, then the value."""
+    return f"  {key:<44s} {value}"
 
 
 def peak_rss_bytes() -> int:

@@ -76,6 +76,63 @@ def train_loss(model, batch, eps_low=0.2, eps_high=0.28, sft_alpha=0.1):
             + sft_alpha * (-logp * pos).sum() / pos.sum().clamp(min=1))
 
 
+def _torch_batch(model, host: dict, dev: str, autocast: bool) -> dict:
+    """The numpy batch as torch tensors on ``dev`` (token ids int64), with ``old_logp`` from
+    one no-grad forward (under bf16 autocast when ``autocast``)."""
+    import torch
+    batch = {k: torch.from_numpy(np.asarray(v)).to(dev) for k, v in host.items()}
+    for k in ("input_ids", "targets"):
+        batch[k] = batch[k].long()
+    with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
+        batch["old_logp"] = torch.log_softmax(logits, -1).gather(
+            -1, batch["targets"][..., None])[..., 0]
+    return batch
+
+
+def _time_train(model, opt, batch, dev: str, steps: int, autocast: bool) -> list[float]:
+    """Seconds of each of ``steps`` train steps (zero grad, loss, backward, AdamW update)
+    after one untimed warm-up step (allocator, AdamW state)."""
+    import torch
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+            loss = train_loss(model, batch)
+        loss.backward()
+        opt.step()
+
+    step()
+    times = []
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _generate_timer(model, prompts: np.ndarray, dev: str):
+    """``gen(n)``: the seconds of one ``generate`` call of exactly n new tokens per prompt
+    (sampling at temperature 1, no top-k/top-p, KV cache), after a 2-token warm-up call."""
+    import torch
+    ids = torch.from_numpy(np.asarray(prompts)).long().to(dev)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+              top_p=1.0, use_cache=True, pad_token_id=0)
+
+    def gen(n):
+        _sync(dev)
+        t0 = time.perf_counter()
+        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(dev)
+        assert o.shape[1] == ids.shape[1] + n, o.shape
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    return gen
+
+
 def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, steps: int,
                   matmul_n: int, matmul_reps: int, threads: int) -> dict:
     """Reference train tokens/s + MFU vs torch's matmul peak, generate tokens/s + TTFT."""
@@ -87,29 +144,9 @@ def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, ste
            "loss": "ppo-clip surrogate on token logprobs + 0.1 x positive-row NLL"}
     peak_before = torch_matmul_peak(matmul_n, matmul_reps)
     model = make_model(cfg)
-    batch = {k: torch.from_numpy(np.asarray(v)) for k, v in batch_np.items()}
-    for k in ("input_ids", "targets"):
-        batch[k] = batch[k].long()
+    batch = _torch_batch(model, batch_np, "cpu", autocast=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
-        batch["old_logp"] = torch.log_softmax(logits, -1).gather(
-            -1, batch["targets"][..., None])[..., 0].detach()
-        del logits
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = train_loss(model, batch)
-        loss.backward()
-        opt.step()
-        return float(loss)
-
-    step()  # warm-up (allocator, AdamW state)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = _time_train(model, opt, batch, "cpu", steps, autocast=False)
     B, T = batch["input_ids"].shape
     med = statistics.median(times)
     out["train_step_s"] = med
@@ -118,35 +155,13 @@ def run_reference(cfg, batch_np: dict, prompts: np.ndarray, new_tokens: int, ste
     out["train_tokens_per_s"] = B * T / med
     out["n_params"] = sum(p.numel() for p in model.parameters())
 
-    ids = torch.from_numpy(np.asarray(prompts)).long()
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-              top_p=1.0, use_cache=True, pad_token_id=0)
     model.eval()
-
-    def gen(n):
-        t0 = time.perf_counter()
-        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        dt = time.perf_counter() - t0
-        assert o.shape[1] == ids.shape[1] + n, o.shape
-        return dt
-
-    gen(2)  # warm-up
-    ttft = statistics.median(gen(1) for _ in range(3))
-    g = [gen(new_tokens) for _ in range(2)]
-    out["generate_s"] = statistics.median(g)
-    out["generate_tokens_per_s"] = ids.shape[0] * new_tokens / out["generate_s"]
-    out["ttft_s"] = ttft
+    gen = _generate_timer(model, prompts, "cpu")
+    out["ttft_s"] = statistics.median(gen(1) for _ in range(3))
+    out["generate_s"] = statistics.median([gen(new_tokens) for _ in range(2)])
+    out["generate_tokens_per_s"] = len(prompts) * new_tokens / out["generate_s"]
     out["decode"] = "sampling T=1, no top-k/top-p, use_cache=True"
     return out
-
-
-def _autocast_step(model, opt, batch, dev) -> None:
-    import torch
-    opt.zero_grad(set_to_none=True)
-    with torch.autocast(dev, dtype=torch.bfloat16):
-        loss = train_loss(model, batch)
-    loss.backward()
-    opt.step()
 
 
 def run_reference_accelerator(cfg, batches: list[dict], prompts: np.ndarray, new_tokens: int,
@@ -168,23 +183,8 @@ def run_reference_accelerator(cfg, batches: list[dict], prompts: np.ndarray, new
            "attn_implementation": "sdpa", "precision": "autocast bf16 over f32 weights",
            "device": torch.cuda.get_device_name() if gpu else "cpu", "shapes": []}
     for host in batches:
-        batch = {k: torch.from_numpy(np.asarray(v)).to(dev) for k, v in host.items()}
-        for k in ("input_ids", "targets"):
-            batch[k] = batch[k].long()
-        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16):
-            logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
-            batch["old_logp"] = torch.log_softmax(logits, -1).gather(
-                -1, batch["targets"][..., None])[..., 0]
-            del logits
-
-        _autocast_step(model, opt, batch, dev)  # warm-up
-        times = []
-        for _ in range(steps):
-            _sync(dev)
-            t0 = time.perf_counter()
-            _autocast_step(model, opt, batch, dev)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
+        batch = _torch_batch(model, host, dev, autocast=True)
+        times = _time_train(model, opt, batch, dev, steps, autocast=True)
         B, T = batch["input_ids"].shape
         med = statistics.median(times)
         out["shapes"].append({"batch": B, "seq_len": T, "step_s": med, "step_times_s": times,
@@ -195,19 +195,6 @@ def run_reference_accelerator(cfg, batches: list[dict], prompts: np.ndarray, new
     del opt
     model = model.to(torch.bfloat16).eval()
     model.config.use_cache = True
-    ids = torch.from_numpy(np.asarray(prompts)).long().to(dev)
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-              top_p=1.0, use_cache=True, pad_token_id=0)
-
-    def gen(n):
-        _sync(dev)
-        t0 = time.perf_counter()
-        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        _sync(dev)
-        assert o.shape[1] == ids.shape[1] + n, o.shape
-        return time.perf_counter() - t0
-
-    gen(2)  # warm-up
-    out["generate_s"] = gen(new_tokens)
-    out["generate_tokens_per_s"] = ids.shape[0] * new_tokens / out["generate_s"]
+    out["generate_s"] = _generate_timer(model, prompts, dev)(new_tokens)
+    out["generate_tokens_per_s"] = len(prompts) * new_tokens / out["generate_s"]
     return out

@@ -15,8 +15,9 @@ Each side runs twice, in the order static, engine, engine, static (a shared host
 drifts). Per side: useful_tokens_per_s (generated tokens that belong to a sample / wall
 seconds of the timed calls, compilation excluded by a warm-up on the same shapes),
 slot_utilisation (useful tokens / (decode steps x rows)), seconds. ``engine_vs_static`` is the ratio of the useful
-token rates. Presets (``--preset``): "small" (CPU default: bench-small, float32), "quick"
-(tests), "gpu" (Qwen3-1.7B shape, bfloat16, for one H200).
+token rates. Presets (picked by the driver's ``--preset`` / ``--quick``): "small" (CPU
+default: bench-small, float32), "quick" (tests), "gpu" (``gpu-1.7b``: Qwen3-1.7B shape,
+bfloat16, for one H200).
 """
 
 from __future__ import annotations
@@ -29,20 +30,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from klear_jax.bench.measure import peak_rss_bytes
+from klear_jax.bench import gpu, workloads
+from klear_jax.bench.measure import peak_rss_bytes, row
 from klear_jax.engine import Engine
 from klear_jax.models import ModelConfig, create_model
 from klear_jax.sampler import Sampler, SamplingParams
 
 SIGMA = 1.0  # lognormal shape of the imposed lengths (a long right tail)
 
-BENCH_SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
-                   num_heads=8, num_kv_heads=4, head_dim=64, dtype="float32",
-                   param_dtype="float32", tie_word_embeddings=False)
-QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                  num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                  max_position_embeddings=40960, tie_word_embeddings=True, dtype="bfloat16",
-                  param_dtype="bfloat16", attention_impl="auto")
+# The models: the train / sample workloads' shapes; bench-small and the quick one in float32
+# (untied), Qwen3-1.7B with bfloat16 weights and cache.
+F32 = dict(dtype="float32", param_dtype="float32", tie_word_embeddings=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +57,14 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
-                         param_dtype="float32"),
-                    prompts=4, n=4, prompt_len=8, max_new_tokens=32, slots=8, chunk=4,
-                    insert_rows=4),
-    "small": Preset(BENCH_SMALL, prompts=16, n=8, prompt_len=64, max_new_tokens=384, slots=16,
-                    chunk=16, insert_rows=8),
+    "quick": Preset(dict(workloads.QUICK["model"], **F32), prompts=4, n=4, prompt_len=8,
+                    max_new_tokens=32, slots=8, chunk=4, insert_rows=4),
+    "small": Preset(dict(workloads.FULL["model"], **F32), prompts=16, n=8, prompt_len=64,
+                    max_new_tokens=384, slots=16, chunk=16, insert_rows=8),
     # sized for a 15-minute device lease: ~3 minutes with compilation (estimated)
-    "gpu": Preset(QWEN3_1_7B, prompts=32, n=8, prompt_len=256, max_new_tokens=1024, slots=64,
-                  chunk=32, insert_rows=8),
+    "gpu": Preset(dict(gpu.GPU_1_7B["model"], dtype="bfloat16", param_dtype="bfloat16"),
+                  prompts=32, n=8, prompt_len=256, max_new_tokens=1024, slots=64, chunk=32,
+                  insert_rows=8),
 }
 
 
@@ -168,8 +164,8 @@ def rollout_lines(ro: dict) -> list[str]:
            f"{ro['prompt_len']}, lengths mean {ln['mean']:.0f} / max {ro['max_new_tokens']} = "
            f"{ln['mean_over_max']:.2f}, {ro['slots']} slots)"]
     for side in ("static", "engine"):
-        out.append(f"  {side + ' useful tokens/s (slot utilisation)':<44s} "
-                   f"{ro[side]['useful_tokens_per_s']:.0f} ({ro[side]['slot_utilisation']:.0%})")
-    out.append(f"  {'engine / static':<44s} {ro['engine_vs_static']:.2f}x, tokens equal: "
-               f"{ro['tokens_equal']}")
+        out.append(row(f"{side} useful tokens/s (slot utilisation)",
+                       f"{ro[side]['useful_tokens_per_s']:.0f} ({ro[side]['slot_utilisation']:.0%})"))
+    out.append(row("engine / static",
+                   f"{ro['engine_vs_static']:.2f}x, tokens equal: {ro['tokens_equal']}"))
     return out

@@ -79,6 +79,14 @@ def rl_batch(cfg, B: int, T: int, seed: int = 0) -> dict:
             "positive": adv > 0, "sampler_logp": np.zeros((B, T), np.float32)}
 
 
+def reference_batch(cfg, B: int, T: int) -> dict:
+    """The keys of ``rl_batch`` the PyTorch reference reads, ``positive`` as float32."""
+    host = rl_batch(cfg, B, T)
+    batch = {k: host[k] for k in ("input_ids", "targets", "loss_mask", "advantages")}
+    batch["positive"] = host["positive"].astype(np.float32)
+    return batch
+
+
 # ----------------------------------------------------------------------------- train
 def build_train(cfg, B: int, T: int, seed: int = 0, model_old_logp: bool = True):
     """(run(state) -> (state, metrics), state, compiled, timings) for the real RL train step.
@@ -100,17 +108,22 @@ def build_train(cfg, B: int, T: int, seed: int = 0, model_old_logp: bool = True)
         old_logp = batch["sampler_logp"]
     batch = {k: v for k, v in batch.items() if k != "sampler_logp"}
     batch["old_logp"] = old_logp
+    compiled, timings = timed_compile(step, state, batch)
+
+    def run(state):
+        with shd.use_mesh(mesh):
+            return compiled(state, batch)
+    return run, state, compiled, timings
+
+
+def timed_compile(step, state, batch):
+    """(compiled ``step``, {lower_s, compile_s: lower + XLA compile, xla_compile_s})."""
     t0 = time.perf_counter()
     lowered = step.lower(state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-
-    def run(state):
-        with shd.use_mesh(mesh):
-            return compiled(state, batch)
-    return run, state, compiled, {"lower_s": t1 - t0, "compile_s": t2 - t0,
-                                  "xla_compile_s": t2 - t1}
+    return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t0, "xla_compile_s": t2 - t1}
 
 
 def time_train(run, state, warmup: int, steps: int):
@@ -224,12 +237,7 @@ def compile_time(cfg, B: int, T: int) -> dict:
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
              for k, v in rl_batch(cfg, B, T).items() if k != "sampler_logp"}
     batch["old_logp"] = jax.ShapeDtypeStruct((B, T), jnp.float32)
-    t0 = time.perf_counter()
-    lowered = step.lower(state, batch)
-    t1 = time.perf_counter()
-    lowered.compile()
-    t2 = time.perf_counter()
-    return {"num_layers": cfg.num_layers, "lower_s": t1 - t0, "compile_s": t2 - t0}
+    return {"num_layers": cfg.num_layers, **timed_compile(step, state, batch)[1]}
 
 
 def run_scale(quick: bool) -> dict:
@@ -257,9 +265,7 @@ def run_scale(quick: bool) -> dict:
 def run_reference_workload(quick: bool, threads: int) -> dict:
     s = sizes(quick)
     cfg = model_config(quick)
-    host = rl_batch(cfg, s["batch"], s["seq"])
-    batch = {k: host[k] for k in ("input_ids", "targets", "loss_mask", "advantages")}
-    batch["positive"] = host["positive"].astype(np.float32)
+    batch = reference_batch(cfg, s["batch"], s["seq"])
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (s["prompts"], s["prompt_len"]))
     out = run_reference(cfg, batch, prompts, s["new_tokens"], s["steps"], s["matmul_n"],
                         s["matmul_reps"], threads)
