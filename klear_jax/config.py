@@ -63,7 +63,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import ml_collections
 from absl import app, flags
@@ -144,12 +144,9 @@ def math_reward_config(c) -> MathRewardConfig:
     return MathRewardConfig(**c.reward.math.to_dict())
 
 
-def code_reward_config(c, mode: str | None = None) -> CodeRewardConfig:
-    """``reward.code`` as a CodeRewardConfig (``mode`` overrides the block's)."""
+def code_reward_config(c) -> CodeRewardConfig:
     d = c.reward.code.to_dict()
     sandbox = SandboxConfig(**{k: d.pop(k) for k in CODE_SANDBOX_KEYS})
-    if mode is not None:
-        d["mode"] = mode
     return CodeRewardConfig(sandbox=sandbox, **d)
 
 
@@ -344,11 +341,10 @@ def validate_agg(c, key: str) -> str:
     return check_choice(c, key, losses.AGG_MODES, "aggregation")
 
 
-def validate_rewards(c, builders: dict[str, Callable] | None = None) -> None:
-    """``reward.math`` / ``reward.code`` build their reward configs (or the given builders
-    do), any bad field raising ConfigError naming the block."""
-    builders = builders or {"math": math_reward_config, "code": code_reward_config}
-    for kind, make in builders.items():
+def validate_rewards(c) -> None:
+    """``reward.math`` / ``reward.code`` build their reward configs, any bad field raising
+    ConfigError naming the block."""
+    for kind, make in (("math", math_reward_config), ("code", code_reward_config)):
         try:
             make(c)
         except (TypeError, ValueError) as e:

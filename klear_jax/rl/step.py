@@ -43,17 +43,12 @@ def build_logprob_fn(cfg, graphdef, mesh, shardings):
                                    cfg.train.num_microbatches)
 
 
-def rollout_dtype(cfg, model_cfg) -> str:
-    """The dtype of the sampler's copy of the policy (``rollout.weights_dtype``; "auto" = the
-    model's compute dtype)."""
-    wd = cfg.rollout.weights_dtype
-    return model_cfg.dtype if wd == "auto" else wd
-
-
 def build_rollout_cast(cfg, model_cfg, shardings):
-    """Jitted ``params -> params`` in the rollout dtype, sharded like the params; None when
-    the params are stored in that dtype already (the sampler reads them as they are)."""
-    dtype = jnp.dtype(rollout_dtype(cfg, model_cfg))
+    """Jitted ``params -> params`` in the rollout dtype (``rollout.weights_dtype``; "auto" =
+    the model's compute dtype), sharded like the params; None when the params are stored in
+    that dtype already (the sampler reads them as they are)."""
+    wd = cfg.rollout.weights_dtype
+    dtype = jnp.dtype(model_cfg.dtype if wd == "auto" else wd)
     if dtype == jnp.dtype(model_cfg.param_dtype):
         return None
     cast = lambda p: jax.tree.map(  # noqa: E731
